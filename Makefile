@@ -1,0 +1,48 @@
+# HiState developer entry points. `make help` lists them.
+# Every install passes the torch constraint: an unpinned torch pulls multi-GB CUDA wheels.
+PY        ?= python3
+VENV      ?= .venv
+VPY       := $(VENV)/bin/python
+PIP       := $(VPY) -m pip install -q -c constraints/cpu.txt
+STAMP     := $(VENV)/.histate-installed-v1
+PYTEST    := $(VPY) -m pytest
+HYPOTHESIS_PROFILE ?= ci
+
+.PHONY: help venv demo test test-fast test-gpu bench golden size clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(STAMP): python/pyproject.toml constraints/cpu.txt Makefile
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e "python[sim,storage,test,reference,sglang]"
+	# SGLang without its dependency tree (it would pull CUDA torch, sgl-kernel, flashinfer ...).
+	$(PIP) --no-deps sglang==0.5.23
+	# NIXL: the meta package plus one backend wheel only (the cu12 twin is 250 MB of dead weight on CPU).
+	$(PIP) --no-deps nixl==1.5.1 nixl-cu13==1.5.1 || echo "NIXL unavailable: storage uses the file fallback"
+	touch $(STAMP)
+
+venv: $(STAMP)  ## create .venv with everything the tests need (idempotent)
+
+demo: venv  ## replay the synthetic agent workload (or ../shared traces) through every policy
+	$(VENV)/bin/histate replay
+
+test: venv  ## run the CPU test suite (what CI runs)
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PYTEST) test -q
+
+test-fast: venv  ## core tests only, small hypothesis budget
+	HYPOTHESIS_PROFILE=dev $(PYTEST) test/core -q
+
+test-gpu: venv  ## GPU-only tests (kernels, exactness on CUDA); skipped without CUDA
+	$(PYTEST) test -q -m gpu
+
+bench: venv  ## run every benchmark and print tables (numbers go to docs/results.md by hand)
+	$(VPY) benchmark/core_ops.py
+
+size:  ## line counts per module
+	@find python/histate -name '*.py' | xargs wc -l | sort -n
+
+clean:  ## remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .hypothesis

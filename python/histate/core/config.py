@@ -1,0 +1,76 @@
+"""Cache configuration: sizes, per-tier budgets and the knobs of HiState's controllers.
+
+One frozen dataclass; every field carries its unit. Validation names the offending field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .types import ALL_TIERS, ConfigError, Tier
+
+DEFAULT_INTERVALS_PAGES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_num_tokens: int = 64
+    """Tokens per page; Weka hash_ids cover 64 tokens and GDN chunks are 64 tokens."""
+    kv_bytes_per_token: int = 32 * 1024
+    """K+V of all full-attention layers (Qwen3.5-9B BF16: 8 layers x 2 x 4 heads x 256 dims x 2 B)."""
+    checkpoint_size_bytes: int = 49 * 2**20
+    """One recurrent checkpoint: conv + SSM state of every linear layer (Qwen3.5-9B FP32 ~ 49 MiB)."""
+    capacity_bytes: Mapping[Tier, int] = field(
+        default_factory=lambda: {Tier.GPU: 45 * 2**30, Tier.CPU: 96 * 2**30, Tier.SSD: 150 * 2**30}
+    )
+    """Per-tier budget shared by KV and checkpoints; a tier absent here does not exist."""
+    state_fraction: Mapping[Tier, float] = field(default_factory=dict)
+    """Static-partition baselines only: fraction of each tier reserved for checkpoints."""
+    tau_s: float = 600.0
+    """Eq. 7 time scale: seconds of recency one unit of recompute-per-byte is worth."""
+    supported_intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
+    """Eq. 5 candidate set of checkpoint intervals, in pages."""
+    fixed_interval_pages: int = 32
+    """Interval of the `histate-fixed32` ablation and of fixed-interval admission."""
+    chunk_pages: int = 128
+    """Chunked-prefill size in pages (SGLang default 8192 tokens): where SGLang keeps states."""
+    ema_alpha: float = 0.1
+    """Weight of a new observation in the residence-time and terminal-hit EMAs."""
+    initial_terminal_hit_prob: float = 0.9
+    """Prior for the EMA of hits that land on a terminal checkpoint (appends dominate agents)."""
+    record_ops: bool = False
+    """Keep a log of TierOps for executors (off in the simulator: it only needs byte counts)."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, why: str) -> None:
+            if not cond:
+                raise ConfigError(f"CacheConfig.{name}: {why}")
+
+        need(self.page_num_tokens > 0, "page_num_tokens", "must be > 0")
+        need(self.kv_bytes_per_token > 0, "kv_bytes_per_token", "must be > 0")
+        need(self.checkpoint_size_bytes > 0, "checkpoint_size_bytes", "must be > 0")
+        need(Tier.GPU in self.capacity_bytes, "capacity_bytes", "needs a GPU budget")
+        for tier, size in self.capacity_bytes.items():
+            need(tier in ALL_TIERS, "capacity_bytes", f"unknown tier {tier!r}")
+            need(size >= 0, "capacity_bytes", f"{Tier(tier).name} budget {size} < 0")
+        for tier, frac in self.state_fraction.items():
+            need(0.0 <= frac <= 1.0, "state_fraction", f"{Tier(tier).name} fraction {frac} not in [0, 1]")
+        need(self.tau_s >= 0, "tau_s", "must be >= 0")
+        need(
+            len(self.supported_intervals_pages) > 0 and all(i > 0 for i in self.supported_intervals_pages),
+            "supported_intervals_pages",
+            "must be a non-empty set of positive page counts",
+        )
+        need(self.fixed_interval_pages > 0, "fixed_interval_pages", "must be > 0")
+        need(self.chunk_pages > 0, "chunk_pages", "must be > 0")
+        need(0.0 < self.ema_alpha <= 1.0, "ema_alpha", "must be in (0, 1]")
+        need(0.0 <= self.initial_terminal_hit_prob <= 1.0, "initial_terminal_hit_prob", "must be in [0, 1]")
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        return self.kv_bytes_per_token * self.page_num_tokens
+
+    @property
+    def checkpoint_token_equiv(self) -> float:
+        """N_s of eq. 4: one checkpoint expressed in tokens of KV."""
+        return self.checkpoint_size_bytes / self.kv_bytes_per_token

@@ -1,0 +1,83 @@
+"""Adaptive interval control (paper §3.2, eq. 3-6) and the residence-time EMAs it feeds on.
+
+For a new segment of L pages the controller picks I* = argmin_I [C_mem(I) + C_recomp(I)] over the
+supported set, with
+    C_mem(I)    = (T_KV / T_state) * n_int(I) * N_s      (N_s: one checkpoint in pages of KV)
+    C_recomp(I) = (1/L) * sum_{t=1}^{L-1} (t mod I)     (uniform hit position, p_t = 1/L)
+Both are in pages. n_int(I) = ceil(L/I) - 1 counts the intermediate checkpoints exactly (the paper's
+L/I also counts the terminal one, which is kept whatever I is, so it cannot change the argmin).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+
+class Ema:
+    """Exponential moving average that knows whether it has seen anything yet."""
+
+    __slots__ = ("alpha", "value")
+
+    def __init__(self, alpha: float, initial: Optional[float] = None):
+        self.alpha = alpha
+        self.value = initial
+
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+def recompute_cost_pages(num_pages: int, interval_pages: int) -> float:
+    """Eq. 3 with p_t = 1/L, in closed form: sum_{t<L} (t mod I) = q*I(I-1)/2 + r(r-1)/2."""
+    if num_pages <= 0:
+        return 0.0
+    q, r = divmod(num_pages, interval_pages)
+    total = q * interval_pages * (interval_pages - 1) // 2 + r * (r - 1) // 2
+    return total / num_pages
+
+
+def num_intermediate(num_pages: int, interval_pages: int) -> int:
+    return max(0, math.ceil(num_pages / interval_pages) - 1)
+
+
+def choose_interval_pages(
+    num_pages: int, checkpoint_pages_equiv: float, pressure_ratio: float, supported: Sequence[int]
+) -> int:
+    """Eq. 5. `pressure_ratio` = T_KV / T_state. Ties go to the larger (sparser) interval."""
+    best_i, best_cost = None, math.inf
+    for interval in sorted(supported, reverse=True):
+        cost = (pressure_ratio * num_intermediate(num_pages, interval) * checkpoint_pages_equiv
+                + recompute_cost_pages(num_pages, interval))
+        if cost < best_cost:
+            best_i, best_cost = interval, cost
+    return best_i
+
+
+def continuous_optimum_pages(num_pages: int, checkpoint_pages_equiv: float, pressure_ratio: float) -> float:
+    """Eq. 6: sqrt(2 L N_s T_KV/T_state), for documentation and tests of the discrete choice."""
+    return math.sqrt(2.0 * num_pages * checkpoint_pages_equiv * pressure_ratio)
+
+
+class IntervalController:
+    """Tracks T_KV and T_state and plans checkpoint positions for each new segment."""
+
+    def __init__(self, checkpoint_pages_equiv: float, supported: Sequence[int], ema_alpha: float):
+        self.checkpoint_pages_equiv = checkpoint_pages_equiv
+        self.supported = tuple(supported)
+        self.kv_residence_s = Ema(ema_alpha)
+        self.state_residence_s = Ema(ema_alpha)
+
+    @property
+    def pressure_ratio(self) -> float:
+        """T_KV / T_state; 1 until both residence times have been observed at least once."""
+        kv, st = self.kv_residence_s.value, self.state_residence_s.value
+        if kv is None or st is None or st <= 0 or kv <= 0:
+            return 1.0
+        return kv / st
+
+    def plan(self, start_pages: int, end_pages: int) -> list[int]:
+        """Checkpoint depths for the segment (start, end]; the terminal `end_pages` always included."""
+        num_pages = end_pages - start_pages
+        if num_pages <= 0:
+            return []
+        interval = choose_interval_pages(num_pages, self.checkpoint_pages_equiv, self.pressure_ratio, self.supported)
+        return list(range(start_pages + interval, end_pages, interval)) + [end_pages]

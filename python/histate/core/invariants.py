@@ -1,0 +1,67 @@
+"""Executable form of docs/invariants.md. Each check names its invariant; tests call it after every
+operation. Cost: O(nodes + heap entries), so it is for tests and debugging, not the hot path."""
+from __future__ import annotations
+
+from .types import InvariantViolation, ItemKind, Tier, tiers_in
+from .units import units_of
+
+
+def _fail(code: str, msg: str) -> None:
+    raise InvariantViolation(f"{code}: {msg}")
+
+
+def check_invariants(cache) -> None:
+    tree, ledger, policy = cache.tree, cache.ledger, cache.policy
+    allowed = 0
+    for t in policy.tiers:
+        if ledger.has_tier(t):
+            allowed |= 1 << t
+    used = {pool: 0 for pool in ledger.capacity_bytes}
+    live_entries = set()
+    for pool, heap in cache.heaps.items():
+        for _, _, node, unit, t, version in heap:
+            if node.is_alive and node.version == version:
+                live_entries.add((node.id, unit, t))
+    num_nodes = 0
+    for node in tree.iter_nodes():
+        num_nodes += 1
+        parent = node.parent
+        # I4: structure
+        if not node.keys:
+            _fail("I4", f"{node} has an empty edge")
+        if parent.children.get(node.keys[0]) is not node:
+            _fail("I4", f"{node} is not its parent's child under its first key")
+        if node.depth_pages != parent.depth_pages + len(node.keys):
+            _fail("I4", f"{node} depth does not equal parent depth + edge length")
+        # I3: KV resident somewhere, only in the policy's tiers
+        if node.kv_mask == 0:
+            _fail("I3", f"{node} has no KV copy in any tier")
+        if (node.kv_mask | node.ckpt_mask) & ~allowed:
+            _fail("I3", f"{node} has a copy in a tier the policy does not use")
+        # I8: states only where the policy admits them
+        if node.ckpt_mask and policy.dense_checkpoints:
+            _fail("I8", f"{node} holds an explicit checkpoint under a dense policy")
+        # I5: path locks
+        if node.lock_count < 0:
+            _fail("I5", f"{node} lock count {node.lock_count} < 0")
+        if parent.parent is not None and node.lock_count > parent.lock_count:
+            _fail("I5", f"{node} is locked more than its parent")
+        if cache.num_open_leases == 0 and node.lock_count != 0:
+            _fail("I5", f"{node} still locked with no request open")
+        for t in tiers_in(node.kv_mask):
+            used[ledger.pool_of(t, ItemKind.KV)] += node.num_pages * cache.config.kv_bytes_per_page
+        for t in tiers_in(node.ckpt_mask):
+            used[ledger.pool_of(t, ItemKind.CHECKPOINT)] += cache.config.checkpoint_size_bytes
+        # I7: every evictable unit is offered to the victim heaps
+        if not node.lock_count and not node.is_parked:
+            for unit, t in units_of(node, policy.partitioned):
+                if (node.id, unit, t) not in live_entries:
+                    _fail("I7", f"{node} unit {unit.value}@{Tier(t).name} missing from the victim heap")
+    if num_nodes != tree.num_nodes:
+        _fail("I4", f"tree counts {tree.num_nodes} nodes but holds {num_nodes}")
+    for pool, capacity in ledger.capacity_bytes.items():
+        # I2: the ledger is the sum of the items; I1: never above capacity
+        if ledger.used_bytes[pool] != used[pool]:
+            _fail("I2", f"pool {pool}: ledger says {ledger.used_bytes[pool]} B, items sum to {used[pool]} B")
+        if used[pool] > capacity:
+            _fail("I1", f"pool {pool}: {used[pool]} B used > capacity {capacity} B")

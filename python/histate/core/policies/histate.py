@@ -1,0 +1,55 @@
+"""HiState (paper §3) and the ablations of Figure 10.
+
+histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymmetric tiering
+histate-align      admission replaced by vLLM's align rule (terminal state only)
+histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
+histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
+"""
+from __future__ import annotations
+
+from . import register_policy
+from .base import AdmissionContext, Policy, fixed_grid, terminal_only
+from ..types import Tier, UnitKind
+from ..units import expected_recompute_tokens, last_access_s, reclaim_tokens
+
+
+@register_policy
+class HiState(Policy):
+    name = "histate"
+    tiers = (Tier.GPU, Tier.CPU, Tier.SSD)
+    historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
+    refresh_all = True
+
+    def admit(self, ctx: AdmissionContext) -> list[int]:
+        return ctx.controller.plan(ctx.start_pages, ctx.end_pages)
+
+    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
+        cfg = cache.config
+        cost = expected_recompute_tokens(node, unit, cache.terminal_prob, cfg.page_num_tokens)
+        reclaim = reclaim_tokens(node, unit, bit, cfg.page_num_tokens, cfg.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit) + cfg.tau_s * cost / reclaim
+
+
+@register_policy
+class HiStateAlign(HiState):
+    name = "histate-align"
+
+    def admit(self, ctx: AdmissionContext) -> list[int]:
+        return terminal_only(ctx)
+
+
+@register_policy
+class HiStateFixed32(HiState):
+    name = "histate-fixed32"
+
+    def admit(self, ctx: AdmissionContext) -> list[int]:
+        return fixed_grid(ctx, ctx.config.fixed_interval_pages)
+
+
+@register_policy
+class HiStateLruDisk(HiState):
+    name = "histate-lru-disk"
+    refresh_all = False
+
+    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
+        return last_access_s(node, unit, bit)

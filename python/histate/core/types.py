@@ -1,0 +1,98 @@
+"""Small value types shared by every layer: tiers, item kinds, match results, data-movement ops.
+
+Owns no behaviour. Pure: imports only the standard library.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+
+class Tier(enum.IntEnum):
+    """Storage tiers, fastest first. SGLang calls them device / host / storage (L1 / L2 / L3)."""
+
+    GPU = 0
+    CPU = 1
+    SSD = 2
+
+
+ALL_TIERS = (Tier.GPU, Tier.CPU, Tier.SSD)
+
+
+def tier_bit(tier: Tier) -> int:
+    return 1 << int(tier)
+
+
+def tiers_in(mask: int) -> list[Tier]:
+    """Tiers whose bit is set in `mask`, fastest first."""
+    return [t for t in ALL_TIERS if mask & (1 << int(t))]
+
+
+def fastest_tier(mask: int) -> Optional[Tier]:
+    for t in ALL_TIERS:
+        if mask & (1 << int(t)):
+            return t
+    return None
+
+
+class ItemKind(enum.Enum):
+    """The two kinds of cached data. KV grows with the prefix; a checkpoint is one fixed-size state."""
+
+    KV = "kv"
+    CHECKPOINT = "checkpoint"
+
+
+class UnitKind(enum.Enum):
+    """Eviction units (paper §3.3): an intermediate checkpoint alone, or a terminal bundle
+    (the last KV segment of a trajectory plus its terminal checkpoint)."""
+
+    CHECKPOINT = "checkpoint"
+    BUNDLE = "bundle"
+
+
+class HiStateError(Exception):
+    """Base class of every error HiState raises on purpose."""
+
+
+class InvariantViolation(HiStateError):
+    """A numbered invariant of docs/invariants.md does not hold; the message names it."""
+
+
+class ConfigError(HiStateError, ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """DESIGN.md hit accounting for one request.
+
+    m = `num_kv_pages` (KV resident in some tier), c = `num_reused_pages` (deepest checkpoint <= m).
+    Only c counts as reuse: KV beyond the last checkpoint cannot be used without the state.
+    """
+
+    num_kv_pages: int
+    num_reused_pages: int
+    kv_bytes_by_tier: dict = field(default_factory=dict)  # Tier -> bytes restored for [0, c)
+    checkpoint_tier: Optional[Tier] = None
+    checkpoint_size_bytes: int = 0
+    is_terminal_hit: bool = False  # the checkpoint at c ends a trajectory (append-style hit)
+
+
+@dataclass(frozen=True, slots=True)
+class TierOp:
+    """One data movement decided by the core, for executors that hold real bytes.
+
+    action: "put" (new data, src None), "move", "copy" (src keeps its copy), "drop" (dst None).
+    """
+
+    action: str
+    kind: ItemKind
+    page_keys: tuple
+    depth_pages: int
+    src: Optional[Tier]
+    dst: Optional[Tier]
+    size_bytes: int
+
+
+PageKey = Hashable

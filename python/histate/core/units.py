@@ -1,0 +1,85 @@
+"""Eviction units and their cost terms (paper §3.3, eq. 7), as pure functions of the tree.
+
+Units in a pool (a tier, or a (tier, kind) pair under a static split):
+  BUNDLE      the KV copy of a node that is a leaf *within that tier* (no child has KV there), plus
+              its checkpoint copy there when the node is a true leaf (the terminal bundle);
+  CHECKPOINT  a checkpoint copy that is not part of a bundle (intermediate, or terminal whose KV
+              lives in another tier; every checkpoint under a static split).
+
+C (expected extra recompute, tokens) weights each reuse position by its access probability:
+a trajectory's terminal position gets q (EMA of observed terminal hits), the L interior positions of
+the trajectory share 1 - q uniformly. M is what leaves the constrained pool, in tokens of KV.
+"""
+from __future__ import annotations
+
+from .tree import Node
+from .types import UnitKind
+
+
+def prev_checkpoint_depth(node: Node) -> int:
+    """Depth of the nearest checkpoint strictly above `node` (0: the empty prefix)."""
+    parent = node.parent
+    while parent is not None and parent.parent is not None:
+        if parent.ckpt_mask:
+            return parent.depth_pages
+        parent = parent.parent
+    return 0
+
+
+def pages_until_checkpoint(node: Node) -> int:
+    """Pages from the start of `node` to the first checkpoint (or leaf end) below it.
+
+    Checkpoint-less interior nodes only arise at branch points, so the recursion is shallow.
+    """
+    if node.ckpt_mask or not node.children:
+        return len(node.keys)
+    return len(node.keys) + max(pages_until_checkpoint(c) for c in node.children.values())
+
+
+def is_tier_leaf(node: Node, bit: int) -> bool:
+    for child in node.children.values():
+        if child.kv_mask & bit:
+            return False
+    return True
+
+
+def units_of(node: Node, partitioned: bool):
+    """Yield (unit kind, tier bit index) for every unit `node` currently forms."""
+    for t in range(3):
+        bit = 1 << t
+        if node.kv_mask & bit and is_tier_leaf(node, bit):
+            yield UnitKind.BUNDLE, t
+        if node.ckpt_mask & bit and (partitioned or not (node.kv_mask & bit and not node.children)):
+            yield UnitKind.CHECKPOINT, t
+
+
+def last_access_s(node: Node, unit: UnitKind, bit: int) -> float:
+    if unit is UnitKind.CHECKPOINT:
+        return node.ckpt_access_s
+    if not node.children and node.ckpt_mask & bit:
+        return max(node.kv_access_s, node.ckpt_access_s)
+    return node.kv_access_s
+
+
+def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, page_num_tokens: int) -> float:
+    """C_x of eq. 7: extra tokens recomputed, in expectation, if unit x disappears."""
+    gap_pages = node.depth_pages - prev_checkpoint_depth(node)
+    if unit is UnitKind.BUNDLE:
+        if node.children:
+            return float(gap_pages * page_num_tokens)  # interior KV: every hit below passes through it
+        return terminal_prob * gap_pages * page_num_tokens if node.ckpt_mask else 0.0
+    if not node.children:  # terminal checkpoint whose KV lives in another tier
+        return terminal_prob * gap_pages * page_num_tokens
+    span_pages = sum(pages_until_checkpoint(c) for c in node.children.values())
+    trajectory_pages = node.depth_pages + span_pages
+    return (1.0 - terminal_prob) * gap_pages * span_pages * page_num_tokens / trajectory_pages
+
+
+def reclaim_tokens(node: Node, unit: UnitKind, bit: int, page_num_tokens: int, checkpoint_tokens: float) -> float:
+    """M_x of eq. 7: what leaves the constrained pool, in tokens of KV."""
+    if unit is UnitKind.CHECKPOINT:
+        return checkpoint_tokens
+    kv_tokens = len(node.keys) * page_num_tokens
+    if not node.children and node.ckpt_mask & bit:
+        return kv_tokens + checkpoint_tokens
+    return kv_tokens
