@@ -1,0 +1,257 @@
+"""HiState's launch settings for SGLang: one frozen record, read from CLI flags or env vars.
+
+Owns the flag/env-var table (`OPTIONS`), parsing of sizes and interval lists, and validation
+with messages that name the flag. Pure Python (no sglang import) so it is cheap to import in
+every SGLang process and trivially picklable: the record rides on `ServerArgs` as the
+underscore attribute `_histate_config` from the launcher to the scheduler (spawned) processes.
+
+Precedence, per option: CLI flag > environment variable > default. The env vars exist for the
+`sglang.Engine(**kwargs)` path, which has no argparse namespace and rejects unknown kwargs.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+# The Gated-DeltaNet (FLA) kernel materialises states every 64 tokens; a checkpoint can only
+# sit on that grid (SGLang: runtime_context.mamba_cache_chunk_size()).
+STATE_GRID_TOKENS = 64
+
+# Eq. 5 candidate set (tokens): 2..512 pages of 64 tokens, the core's default.
+DEFAULT_INTERVALS_TOKENS = tuple(p * 64 for p in (2, 4, 8, 16, 32, 64, 128, 256, 512))
+
+CONFIG_ATTR = "_histate_config"
+"""Name of the underscore bookkeeping attribute on ServerArgs (pickled with the record)."""
+
+DEVICE_POOL_CHOICES = ("unified", "static")
+SSD_BACKEND_CHOICES = ("auto", "nixl", "file")
+CHUNK_ALIGN_CHOICES = ("off", "floor", "split")
+
+
+class HiStateConfigError(ValueError):
+    """A HiState flag or env var has an invalid value or conflicts with another SGLang flag."""
+
+
+_SIZE_UNITS = {
+    "": 10**9,  # a bare number is GB, like SGLang's --hicache-size
+    "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
+    "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+    "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
+}
+
+
+def parse_size_bytes(text: str, *, option: str) -> int:
+    """'150GiB' -> bytes. A bare number means GB (10^9), matching `--hicache-size`."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise HiStateConfigError(
+            f"{option}: cannot parse size {text!r}; use e.g. 150GiB, 200GB or 200 (= GB)"
+        )
+    size_bytes = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size_bytes < 0:
+        raise HiStateConfigError(f"{option}: size must be >= 0, got {text!r}")
+    return size_bytes
+
+
+def parse_intervals_tokens(text: Any, *, option: str) -> tuple[int, ...]:
+    """'1024,2048 4096' (or a list) -> sorted unique token counts, each a multiple of 64."""
+    items = text if isinstance(text, (list, tuple)) else [text]
+    values: set[int] = set()
+    for item in items:
+        for part in re.split(r"[,\s]+", str(item).strip()):
+            if not part:
+                continue
+            try:
+                value = int(part)
+            except ValueError:
+                raise HiStateConfigError(f"{option}: {part!r} is not an integer token count") from None
+            if value <= 0 or value % STATE_GRID_TOKENS:
+                raise HiStateConfigError(
+                    f"{option}: interval {value} must be a positive multiple of "
+                    f"{STATE_GRID_TOKENS} tokens (the recurrent-state grid)"
+                )
+            values.add(value)
+    if not values:
+        raise HiStateConfigError(f"{option}: needs at least one interval")
+    return tuple(sorted(values))
+
+
+def parse_dirs(text: Any, *, option: str) -> tuple[str, ...]:
+    """Directories from a list (CLI nargs) or a comma/colon-separated env string."""
+    items = text if isinstance(text, (list, tuple)) else re.split(r"[,:]", str(text))
+    dirs = tuple(os.path.abspath(os.path.expanduser(d.strip())) for d in items if str(d).strip())
+    if len(set(dirs)) != len(dirs):
+        raise HiStateConfigError(f"{option}: directory listed twice in {list(dirs)}")
+    return dirs
+
+
+def _parse_bool(text: Any, *, option: str) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise HiStateConfigError(f"{option}: expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _parse_float(text: Any, *, option: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise HiStateConfigError(f"{option}: expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise HiStateConfigError(f"{option}: must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _parse_count(text: Any, *, option: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise HiStateConfigError(f"{option}: expected an integer, got {text!r}") from None
+    if value < 0:
+        raise HiStateConfigError(f"{option}: must be >= 0, got {value}")
+    return value
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[..., str]:
+    def parse(text: Any, *, option: str) -> str:
+        value = str(text).strip().lower()
+        if value not in choices:
+            raise HiStateConfigError(f"{option}: {text!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user-facing setting: its flag, env var, parser and help text (docs are generated from it)."""
+
+    field: str
+    flag: str
+    env: str
+    parse: Callable[..., Any]
+    help: str
+    metavar: Optional[str] = None
+    nargs: Optional[str] = None
+    is_switch: bool = False
+    choices: Optional[tuple[str, ...]] = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("enable", "--enable-histate", "HISTATE_ENABLE", _parse_bool, is_switch=True,
+           help="Turn HiState on: radix backend 'histate', hierarchical cache, HiState's host sizing "
+                "and SSD checkpoint store. Hybrid (attention + Mamba/GDN) models only."),
+    Option("ssd_dirs", "--histate-ssd-dir", "HISTATE_SSD_DIR", parse_dirs, nargs="+", metavar="DIR",
+           help="One or more directories for the SSD tier (historical checkpoints, cold KV pages). "
+                "Env: comma-separated. Without it HiState runs on device + host memory only."),
+    Option("ssd_size_bytes", "--histate-ssd-size", "HISTATE_SSD_SIZE", parse_size_bytes, metavar="SIZE",
+           help="SSD budget across all directories, e.g. 150GiB (a bare number is GB). "
+                "0 = bounded only by free disk space."),
+    Option("intervals_tokens", "--histate-intervals", "HISTATE_INTERVALS", parse_intervals_tokens,
+           nargs="+", metavar="TOKENS",
+           help="Supported checkpoint intervals in tokens (multiples of 64), e.g. 1024,2048,4096. "
+                "Adaptive interval control picks one per new segment (paper eq. 5). "
+                "Default: 128 ... 32768 in powers of two."),
+    Option("tau_s", "--histate-tau", "HISTATE_TAU", _parse_float, metavar="SECONDS",
+           help="Time scale of unified eviction, H = t_last + tau * C / M (paper eq. 7), in seconds."),
+    Option("host_state_slots", "--histate-host-state-slots", "HISTATE_HOST_STATE_SLOTS", _parse_count,
+           metavar="N",
+           help="Host (DRAM) staging slots for recurrent states; the rest of the host budget goes "
+                "to KV. 0 = auto (the device state pool size)."),
+    Option("device_pool", "--histate-device-pool", "HISTATE_DEVICE_POOL", _choice(DEVICE_POOL_CHOICES),
+           choices=DEVICE_POOL_CHOICES,
+           help="'unified' (default): KV and states share one device byte budget "
+                "(--enable-unified-memory). 'static': keep SGLang's --mamba-full-memory-ratio split."),
+    Option("ssd_backend", "--histate-ssd-backend", "HISTATE_SSD_BACKEND", _choice(SSD_BACKEND_CHOICES),
+           choices=SSD_BACKEND_CHOICES,
+           help="SSD I/O engine: 'nixl' (NIXL POSIX), 'file' (plain files, same format) or 'auto'."),
+    Option("chunk_align", "--histate-chunk-align", "HISTATE_CHUNK_ALIGN", _choice(CHUNK_ALIGN_CHOICES),
+           choices=CHUNK_ALIGN_CHOICES,
+           help="Chunked prefill vs planned checkpoints: 'floor' (default) ends a cut chunk on the "
+                "last planned position inside it (no extra forward passes); 'split' also cuts at "
+                "every planned position (one extra pass per extra checkpoint); 'off' leaves "
+                "SGLang's chunking alone."),
+)
+OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS}
+
+
+@dataclass(frozen=True)
+class HiStateConfig:
+    """Resolved HiState settings; every field carries its unit."""
+
+    enable: bool = False
+    ssd_dirs: tuple[str, ...] = ()
+    ssd_size_bytes: int = 0
+    intervals_tokens: tuple[int, ...] = DEFAULT_INTERVALS_TOKENS
+    tau_s: float = 600.0
+    host_state_slots: int = 0
+    device_pool: str = "unified"
+    ssd_backend: str = "auto"
+    chunk_align: str = "floor"
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    """field -> 'cli' | 'env' | 'default': where each value came from (for logs and errors)."""
+
+    @property
+    def has_ssd(self) -> bool:
+        return bool(self.ssd_dirs)
+
+    def intervals_pages(self, page_num_tokens: int) -> tuple[int, ...]:
+        """Intervals in tree pages; raises naming the flag if one is off the page grid."""
+        bad = [i for i in self.intervals_tokens if i % page_num_tokens]
+        if bad:
+            raise HiStateConfigError(
+                f"--histate-intervals: {bad} are not multiples of the tree page "
+                f"({page_num_tokens} tokens = lcm(page size, 64-token state grid))"
+            )
+        return tuple(i // page_num_tokens for i in self.intervals_tokens)
+
+    def describe(self) -> str:
+        parts = [f"{f}={getattr(self, f)!r}({self.sources.get(f, 'default')})" for f in OPTIONS_BY_FIELD]
+        return "HiStateConfig(" + ", ".join(parts) + ")"
+
+
+def resolve_config(
+    cli_values: Optional[Mapping[str, Any]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> HiStateConfig:
+    """Build the record from CLI values (None = flag not given) over env vars over defaults."""
+    cli_values = cli_values or {}
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for opt in OPTIONS:
+        raw = cli_values.get(opt.field)
+        if opt.is_switch and raw is False:
+            raw = None  # store_true default: absent, let the env var decide
+        if raw is not None:
+            values[opt.field] = opt.parse(raw, option=opt.flag)
+            sources[opt.field] = "cli"
+        elif environ.get(opt.env, "").strip():
+            values[opt.field] = opt.parse(environ[opt.env], option=opt.env)
+            sources[opt.field] = "env"
+        else:
+            sources[opt.field] = "default"
+    config = HiStateConfig(**values, sources=sources)
+    if config.ssd_size_bytes and not config.ssd_dirs:
+        raise HiStateConfigError("--histate-ssd-size needs --histate-ssd-dir (no SSD directory given)")
+    return config
+
+
+def cli_dest(opt: Option) -> str:
+    """argparse destination of an option: the flag without dashes, '-' -> '_'."""
+    return opt.flag.lstrip("-").replace("-", "_")
+
+
+def cli_values_from_namespace(namespace: Any) -> dict[str, Any]:
+    """Our options as given on an argparse namespace (missing attributes count as not given)."""
+    return {opt.field: getattr(namespace, cli_dest(opt), None) for opt in OPTIONS}

@@ -1,0 +1,160 @@
+"""What `--enable-histate` means for SGLang's own flags: settings it implies and flags it rejects.
+
+Owns the conflict table (one clear message per incompatible flag) and the translation of a
+`HiStateConfig` into SGLang `ServerArgs` field values (radix backend, hierarchical cache,
+unified device pool, the `dynamic` storage backend and its extra config). Works on any object
+with SGLang's field names as attributes (the raw `ServerArgs` record before resolution, or an
+argparse namespace), so it is testable without building a server. No sglang import.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Optional
+
+from .config import HiStateConfig, HiStateConfigError
+
+RADIX_BACKEND_NAME = "histate"
+STORAGE_BACKEND_NAME = "histate"
+STORAGE_MODULE_PATH = "histate.sglang_plugin.storage_backend"
+STORAGE_CLASS_NAME = "HiStateStorageBackend"
+EXTRA_CONFIG_KEY = "histate"
+"""Key of HiState's own section inside --hicache-storage-backend-extra-config."""
+
+
+def _flag(raw: Any, name: str, default: Any = None) -> Any:
+    return getattr(raw, name, default)
+
+
+# (predicate on the raw settings, message). Checked in order; the first match is reported.
+_CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
+    (lambda r: bool(_flag(r, "enable_int8_mamba_checkpoint")),
+     "--enable-histate cannot be combined with --enable-int8-mamba-checkpoint: HiState moves "
+     "checkpoints between device, host and SSD, and SGLang's int8 checkpoint slots are not "
+     "host- or SSD-aware. Drop --enable-int8-mamba-checkpoint."),
+    (lambda r: bool(_flag(r, "enable_unified_cache_external_linker")),
+     "--enable-histate cannot be combined with --enable-unified-cache-external-linker: the "
+     "external linker replaces the host tier that HiState's KV-first DRAM policy manages. "
+     "Use --histate-ssd-dir for the SSD tier instead."),
+    (lambda r: bool(_flag(r, "enable_kv_cache_sharding")),
+     "--enable-histate cannot be combined with --enable-kv-cache-sharding: KV sharding needs "
+     "SGLang's built-in cache with rotation bases, while HiState's cache runs on the Python "
+     "tree core. Drop --enable-kv-cache-sharding."),
+    (lambda r: _flag(r, "radix_cache_backend") not in (None, RADIX_BACKEND_NAME),
+     "--enable-histate selects --radix-cache-backend histate itself; it cannot be combined with "
+     "another --radix-cache-backend. Drop that flag."),
+    (lambda r: bool(_flag(r, "disable_radix_cache")),
+     "--enable-histate cannot be combined with --disable-radix-cache: HiState is a prefix cache."),
+    (lambda r: bool(_flag(r, "enable_lmcache")),
+     "--enable-histate cannot be combined with --enable-lmcache: both replace SGLang's tree cache."),
+    (lambda r: bool(_flag(r, "enable_flexkv")),
+     "--enable-histate cannot be combined with --enable-flexkv: both replace SGLang's tree cache."),
+    (lambda r: bool(_flag(r, "enable_session_radix_cache")),
+     "--enable-histate does not support --enable-session-radix-cache yet: unified eviction does "
+     "not read session references. Drop --enable-session-radix-cache."),
+    (lambda r: _flag(r, "hicache_host_memory_mode", "cache") == "buffer_only",
+     "--enable-histate needs --hicache-host-memory-mode cache: HiState keeps reusable KV in host "
+     "DRAM, which buffer_only turns into a transient staging buffer."),
+    (lambda r: _flag(r, "hicache_storage_backend") not in (None, "dynamic"),
+     "--enable-histate brings its own SSD backend; drop --hicache-storage-backend "
+     "and give --histate-ssd-dir DIR instead."),
+)
+
+
+def check_conflicts(raw: Any) -> None:
+    """Raise HiStateConfigError naming the first SGLang flag that HiState cannot run with."""
+    for predicate, message in _CONFLICTS:
+        if predicate(raw):
+            raise HiStateConfigError(message)
+
+
+def load_extra_config(value: Optional[str]) -> dict:
+    """Parse --hicache-storage-backend-extra-config (JSON, or '@file' .json/.toml/.yaml)."""
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    if not value.startswith("@"):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise HiStateConfigError(f"--hicache-storage-backend-extra-config: invalid JSON ({e})") from None
+    else:
+        path = value[1:]
+        ext = os.path.splitext(path)[1].lower()
+        try:
+            if ext == ".json":
+                with open(path) as f:
+                    parsed = json.load(f)
+            elif ext == ".toml":
+                import tomllib
+
+                with open(path, "rb") as f:
+                    parsed = tomllib.load(f)
+            elif ext in (".yaml", ".yml"):
+                import yaml
+
+                with open(path) as f:
+                    parsed = yaml.safe_load(f)
+            else:
+                raise HiStateConfigError(
+                    f"--hicache-storage-backend-extra-config: {path}: unsupported extension {ext!r}"
+                )
+        except OSError as e:
+            raise HiStateConfigError(f"--hicache-storage-backend-extra-config: cannot read {path}: {e}") from None
+    if not isinstance(parsed, dict):
+        raise HiStateConfigError("--hicache-storage-backend-extra-config: must be a JSON object")
+    return parsed
+
+
+def storage_extra_config(raw: Any, config: HiStateConfig) -> dict:
+    """The user's extra config plus HiState's backend identity and its `histate` section."""
+    extra = load_extra_config(_flag(raw, "hicache_storage_backend_extra_config"))
+    ours = {"backend_name": STORAGE_BACKEND_NAME, "module_path": STORAGE_MODULE_PATH,
+            "class_name": STORAGE_CLASS_NAME}
+    for key, value in ours.items():
+        if extra.get(key, value) != value:
+            raise HiStateConfigError(
+                f"--hicache-storage-backend-extra-config: {key}={extra[key]!r} conflicts with "
+                f"HiState's SSD backend ({key}={value!r}); drop that key"
+            )
+    extra.update(ours)
+    section = dict(extra.get(EXTRA_CONFIG_KEY) or {})
+    section.update(ssd_dirs=list(config.ssd_dirs), ssd_size_bytes=config.ssd_size_bytes,
+                   io_backend=config.ssd_backend)
+    extra[EXTRA_CONFIG_KEY] = section
+    return extra
+
+
+def implied_settings(raw: Any, config: HiStateConfig) -> dict[str, Any]:
+    """SGLang field values that `config` requires (only fields that must change)."""
+    if not config.enable:
+        return {}
+    wanted: dict[str, Any] = {
+        "radix_cache_backend": RADIX_BACKEND_NAME,
+        "enable_hierarchical_cache": True,
+    }
+    if config.device_pool == "unified":
+        wanted["enable_unified_memory"] = True
+    if config.has_ssd:
+        wanted["hicache_storage_backend"] = "dynamic"
+        wanted["hicache_storage_backend_extra_config"] = json.dumps(
+            storage_extra_config(raw, config), sort_keys=True
+        )
+    elif _flag(raw, "hicache_storage_backend") == "dynamic":
+        raise HiStateConfigError(
+            "--hicache-storage-backend dynamic was given without --histate-ssd-dir: HiState's SSD "
+            "backend needs at least one directory"
+        )
+    return {k: v for k, v in wanted.items() if _flag(raw, k) != v}
+
+
+def apply_to_record(record: Any, config: HiStateConfig) -> dict[str, Any]:
+    """Check conflicts and write the implied settings onto an unresolved record; returns them."""
+    if not config.enable:
+        return {}
+    check_conflicts(record)
+    changes = implied_settings(record, config)
+    for name, value in changes.items():
+        setattr(record, name, value)
+    return changes

@@ -1,0 +1,51 @@
+"""Session bootstrap for the SGLang plugin tests (CPU only, real SGLang classes).
+
+* Skips this directory when SGLang is not installed (`make venv` installs it --no-deps).
+* Installs the triton/torchvision stubs (test-only; see _sglang_cpu_stubs.py) before anything
+  imports sglang, pins torch to one thread, and loads SGLang's plugins once per session
+  (importing SGLang alone takes seconds, so every test shares this one bootstrap).
+* Clears HISTATE_* env vars around each test so the env-var path is tested explicitly.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+if importlib.util.find_spec("sglang") is None:  # pragma: no cover - environment without SGLang
+    collect_ignore_glob = ["test_*.py"]
+else:
+    sys.path.insert(0, HERE)
+    import _sglang_cpu_stubs  # noqa: E402
+
+    _sglang_cpu_stubs.install()
+    import torch  # noqa: E402
+
+    torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    # SGLang warns about CUDA-only quantization backends and torch.jit deprecations at import.
+    config.addinivalue_line("filterwarnings", "ignore:Only CUDA")
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:torch.jit")
+
+
+@pytest.fixture(scope="session")
+def sglang_plugins():
+    """Load SGLang's plugin entry points once (registers HiState's hooks and backend)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _clean_histate_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("HISTATE_"):
+            monkeypatch.delenv(name)
+    yield
