@@ -155,6 +155,8 @@ class HybridPrefixCache(Placement):
         written_before = dict(self.stats.bytes_written_by_tier)
         leaf, num_new = self._insert_kv(keys, now_s, lease)
         num_ckpts = 0
+        if self.policy.dense_checkpoints:  # every page boundary already counts as a state (I8)
+            checkpoint_pages = ()
         for depth in sorted(set(checkpoint_pages)):
             if lease.match.num_reused_pages < depth <= (leaf.depth_pages if leaf else 0):
                 num_ckpts += self._add_checkpoint(keys, depth, now_s, is_terminal=depth == len(keys))
@@ -174,6 +176,14 @@ class HybridPrefixCache(Placement):
         self._lock(lease.locked_node, -1)
         for node in lease.pinned:
             self._lock(node, -1)
+
+    def evict(self, tier: Tier, size_bytes: int, now_s: float, kind: ItemKind = ItemKind.KV) -> bool:
+        """Free `size_bytes` in `tier` (for `kind` under a static split) by evicting the lowest-ranked
+        units; the adapter's answer to SGLang's `evict(num_tokens)`. False if pins prevent it.
+
+        Mutates: what `_make_room` mutates.
+        """
+        return self._make_room(self.ledger.pool_of(tier, kind), size_bytes, now_s)
 
     def drain_ops(self) -> list[TierOp]:
         ops, self._ops = self._ops, []

@@ -1,0 +1,94 @@
+"""Hypothesis stateful test: random request life cycles and evictions for every policy, with every
+numbered invariant (docs/invariants.md) checked after every step, plus behaviour checks:
+  - pinned data is never evicted (I9): an open lease's reused prefix stays restorable;
+  - every reported hit is restorable (I6);
+  - `unlimited` agrees with a brute-force model (c = m = longest previously inserted prefix);
+  - reference counts return to zero when no request is open (I5).
+"""
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from histate.core import Tier, available_policies, make_cache
+
+from .helpers import CKPT_BYTES, KV_PAGE_BYTES, assert_restorable, tiny_config
+
+KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=24)
+
+
+def machine_for(policy_name: str):
+    class CacheMachine(RuleBasedStateMachine):
+        @initialize(gpu=st.integers(8, 40), cpu=st.integers(0, 40), ssd=st.integers(0, 80))
+        def build(self, gpu, cpu, ssd):
+            self.cache = make_cache(policy_name, tiny_config(gpu, cpu, ssd, tau_s=5.0))
+            self.now = 0.0
+            self.leases = []
+            self.inserted = set()  # brute-force model for `unlimited`: every inserted prefix
+
+        def tick(self):
+            self.now += 1.0
+            return self.now
+
+        @rule(keys=KEYS)
+        def begin(self, keys):
+            lease = self.cache.begin_request(keys, self.tick())
+            assert_restorable(self.cache, keys, lease.match)
+            if policy_name == "unlimited":
+                m = max((n for n in range(len(keys) + 1) if tuple(keys[:n]) in self.inserted), default=0)
+                assert lease.match.num_kv_pages == lease.match.num_reused_pages == m
+            self.leases.append(lease)
+
+        @precondition(lambda self: self.leases)
+        @rule(index=st.integers(0, 7), use_plan=st.booleans(), extra=st.lists(st.integers(1, 24), max_size=3))
+        def finish(self, index, use_plan, extra):
+            lease = self.leases.pop(index % len(self.leases))
+            positions = self.cache.plan_checkpoints(lease) if use_plan else [len(lease.page_keys)]
+            self.cache.finish_request(lease, None, self.tick(), list(positions) + extra)
+            if policy_name == "unlimited":
+                keys = lease.page_keys
+                self.inserted.update(tuple(keys[:n]) for n in range(len(keys) + 1))
+
+        @precondition(lambda self: self.leases)
+        @rule(index=st.integers(0, 7))
+        def abort(self, index):
+            self.cache.abort_request(self.leases.pop(index % len(self.leases)))
+
+        @rule(tier=st.sampled_from(list(Tier)), num_pages=st.integers(1, 12))
+        def evict(self, tier, num_pages):
+            if self.cache.ledger.has_tier(tier):
+                self.cache.evict(tier, num_pages * KV_PAGE_BYTES, self.tick())
+
+        @rule(keys=KEYS)
+        def match_is_pure_and_restorable(self, keys):
+            before = (self.cache.ledger.used_bytes.copy(), self.cache.tree.num_nodes)
+            result = self.cache.match(keys)
+            assert (self.cache.ledger.used_bytes, self.cache.tree.num_nodes) == before
+            assert_restorable(self.cache, keys, result)
+
+        @invariant()
+        def invariants_hold(self):
+            self.cache.check_invariants()
+
+        @invariant()
+        def pinned_prefixes_survive(self):
+            for lease in self.leases:
+                again = self.cache.match(lease.page_keys)
+                assert again.num_kv_pages >= lease.match.num_reused_pages
+                assert_restorable(self.cache, lease.page_keys, lease.match)
+
+        def teardown(self):
+            for lease in self.leases:
+                self.cache.abort_request(lease)
+            self.cache.check_invariants()  # I5: all reference counts back to zero
+            assert all(node.lock_count == 0 for node in self.cache.tree.iter_nodes())
+
+    CacheMachine.__name__ = f"CacheMachine_{policy_name}"
+    return CacheMachine
+
+
+@pytest.mark.parametrize("policy_name", available_policies())
+def test_random_operation_sequences_keep_invariants(policy_name):
+    run = machine_for(policy_name).TestCase("runTest")
+    run.settings = settings(settings.default, stateful_step_count=50)  # profile's examples x 50 steps
+    run.runTest()
