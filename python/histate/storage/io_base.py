@@ -1,0 +1,146 @@
+"""What a storage backend provides: one I/O session per store worker, moving byte segments
+between host views and one open file, synchronously (`run`) or asynchronously (`submit` / `wait`).
+
+Backends differ only in how segments move (plain syscalls vs NIXL POSIX); opening, creating,
+preallocating and closing files is shared here so both produce identical files and classify OS
+errors identically. A segment is ``(file_offset, host_view)`` with `host_view` a flat uint8 array.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from histate.storage.buffers import address_of, aligned_empty
+from histate.storage.format import ALIGN_BYTES
+from histate.storage.results import Fault, IoFault, fault_from_oserror
+
+Segment = tuple[int, np.ndarray]
+
+
+@dataclass
+class OpenFile:
+    path: str
+    fd: int
+    size_bytes: int
+    direct: bool
+    writable: bool
+    token: object = None  # backend registration (NIXL FILE registration)
+
+
+def probe_direct_io(directory: str) -> bool:
+    """Whether files in `directory` accept O_DIRECT (tmpfs before Linux 6.6, some FUSE/overlay do not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".direct-probe.tmp-{os.getpid()}")
+    buf = aligned_empty(ALIGN_BYTES)
+    buf[:] = 0
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        return os.pwrite(fd, buf, 0) == ALIGN_BYTES
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+class IoSession:
+    """Base class: file handling common to all backends. One session is used by one thread."""
+
+    name = "base"
+
+    def __init__(self, preallocate: bool = True):
+        self.preallocate = preallocate
+        self._staging: dict[str, np.ndarray] = {}
+
+    # --- files -------------------------------------------------------------------------------
+    def open_read(self, path: str, direct: bool) -> OpenFile:
+        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise fault_from_oserror(exc, f"open {path}") from None
+        f = OpenFile(path, fd, os.fstat(fd).st_size, direct, writable=False)
+        self._attach(f)
+        return f
+
+    def create(self, path: str, file_bytes: int, direct: bool) -> OpenFile:
+        """Create a new (temp) file sized `file_bytes`; preallocation surfaces ENOSPC before any I/O."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise fault_from_oserror(exc, f"create {path}") from None
+        try:
+            if self.preallocate and file_bytes:
+                os.posix_fallocate(fd, 0, file_bytes)
+        except OSError as exc:
+            os.close(fd)
+            raise fault_from_oserror(exc, f"preallocate {file_bytes} bytes for {path}") from None
+        f = OpenFile(path, fd, file_bytes, direct, writable=True)
+        self._attach(f)
+        return f
+
+    def close(self, f: OpenFile) -> None:
+        try:
+            self._detach(f)
+        finally:
+            os.close(f.fd)
+
+    def _attach(self, f: OpenFile) -> None:
+        """Backend hook: make an opened file usable for transfers (NIXL registers it)."""
+
+    def _detach(self, f: OpenFile) -> None:
+        """Backend hook: undo `_attach`."""
+
+    # --- host memory -------------------------------------------------------------------------
+    def staging(self, name: str, num_bytes: int) -> np.ndarray:
+        """A block-aligned scratch buffer owned by this session, reused across operations."""
+        buf = self._staging.get(name)
+        if buf is None or buf.size < num_bytes:
+            if buf is not None:
+                self._unregister_staging(buf)
+            buf = aligned_empty(max(num_bytes, ALIGN_BYTES))
+            buf[:] = 0  # fault the pages in once, not on the hot path
+            self._register_staging(buf)
+            self._staging[name] = buf
+        return buf[:num_bytes]
+
+    def _register_staging(self, buf: np.ndarray) -> None:
+        """Backend hook: register a long-lived host buffer once (NIXL)."""
+
+    def _unregister_staging(self, buf: np.ndarray) -> None:
+        """Backend hook: undo `_register_staging`."""
+
+    # --- transfers ---------------------------------------------------------------------------
+    def run(self, f: OpenFile, op: str, segments: Sequence[Segment]) -> None:
+        """Move all segments and return when done; raises IoFault."""
+        self.wait(self.submit(f, op, segments))
+
+    def submit(self, f: OpenFile, op: str, segments: Sequence[Segment]) -> object:
+        raise NotImplementedError
+
+    def wait(self, token: object) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        for buf in self._staging.values():
+            self._unregister_staging(buf)
+        self._staging.clear()
+
+
+def check_direct_segments(f: OpenFile, segments: Sequence[Segment]) -> None:
+    """O_DIRECT preconditions, checked before the kernel (or NIXL) fails with a bare EINVAL."""
+    if not f.direct:
+        return
+    for offset, view in segments:
+        if offset % ALIGN_BYTES or view.size % ALIGN_BYTES or address_of(view) % ALIGN_BYTES:
+            raise ValueError(f"unaligned O_DIRECT segment: offset {offset}, {view.size} bytes, "
+                             f"address {address_of(view):#x}")
