@@ -11,6 +11,7 @@ score is higher is pushed back instead of evicted. No eviction scans the tree.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 import sys
 from dataclasses import dataclass, field
 from itertools import count
@@ -23,8 +24,8 @@ from .placement import Placement
 from .policies import AdmissionContext, Policy, make_policy
 from .stats import CacheStats
 from .tree import Node, RadixTree
-from .types import ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier, tiers_in
-from .units import units_of
+from .types import ALL_TIERS, ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier
+from .units import last_access_s, units_of
 
 _COMPACT_FACTOR = 4  # rebuild a heap once stale entries outnumber live ones this many times
 
@@ -54,6 +55,9 @@ class HybridPrefixCache(Placement):
         self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
         self.stats = CacheStats()
         self.heaps: dict = {pool: [] for pool in self.ledger.capacity_bytes}
+        self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
+            (unit, int(t)): self.heaps[self.ledger.pool_of(t, ItemKind.KV if unit is UnitKind.BUNDLE else ItemKind.CHECKPOINT)]
+            for unit in UnitKind for t in ALL_TIERS if self.ledger.has_tier(t)}
         self._seq = count()
         self._ops: list = []
         self.num_open_leases = 0
@@ -153,13 +157,15 @@ class HybridPrefixCache(Placement):
         assert lease.is_open, "finish_request on a closed lease"
         keys = lease.page_keys if page_keys is None else list(page_keys)
         written_before = dict(self.stats.bytes_written_by_tier)
-        leaf, num_new = self._insert_kv(keys, now_s, lease)
+        path, num_new = self._insert_kv(keys, now_s, lease)
+        end_pages = path[-1].depth_pages if path else 0
         num_ckpts = 0
         if self.policy.dense_checkpoints:  # every page boundary already counts as a state (I8)
             checkpoint_pages = ()
         for depth in sorted(set(checkpoint_pages)):
-            if lease.match.num_reused_pages < depth <= (leaf.depth_pages if leaf else 0):
-                num_ckpts += self._add_checkpoint(keys, depth, now_s, is_terminal=depth == len(keys))
+            if lease.match.num_reused_pages < depth <= end_pages:
+                node = self._node_ending_at(path, depth, now_s)
+                num_ckpts += self._add_checkpoint(node, now_s, is_terminal=depth == len(keys))
         self._close(lease)
         written = {t: b - written_before.get(t, 0) for t, b in self.stats.bytes_written_by_tier.items()
                    if b != written_before.get(t, 0)}
@@ -206,6 +212,8 @@ class HybridPrefixCache(Placement):
     # --- insertion ---------------------------------------------------------------------------
 
     def _insert_kv(self, keys: list, now_s: float, lease: RequestLease):
+        """Add the pages the tree lacks as one new GPU leaf. Returns (path root->end, pages added);
+        every node on the returned path is pinned until the lease closes."""
         path, pos, partial = self.tree.walk(keys)
         if partial is not None:
             head = self.tree.split(partial, pos - partial.start_pages, now_s)
@@ -216,14 +224,14 @@ class HybridPrefixCache(Placement):
         parent = path[-1] if path else self.tree.root
         num_new = len(keys) - pos
         if num_new <= 0:
-            return parent, 0
+            return path, 0
         size = num_new * self.config.kv_bytes_per_page
         self._lock(parent, +1)  # making room must not evict the path we attach to
         ok = self._make_room(self.ledger.pool_of(Tier.GPU, ItemKind.KV), size, now_s)
         self._lock(parent, -1)
         if not ok:
             self.stats.num_insert_failures += 1
-            return parent, 0
+            return path, 0
         was_leaf_with_state = parent is not self.tree.root and not parent.children and parent.ckpt_mask
         leaf = self.tree.add_child(parent, keys[pos:], now_s)
         self._put(leaf, ItemKind.KV, Tier.GPU, "put")
@@ -235,22 +243,22 @@ class HybridPrefixCache(Placement):
         self._touch(parent)
         if was_leaf_with_state:
             self._retire_terminal(parent, now_s)
-        return leaf, num_new
+        path.append(leaf)
+        return path, num_new
 
-    def _node_ending_at(self, keys: list, depth: int, now_s: float) -> Optional[Node]:
-        path, pos, partial = self.tree.walk(keys[:depth])
-        if partial is not None:
-            self.tree.split(partial, pos - partial.start_pages, now_s)
-            self._touch(partial)
-            path, pos, partial = self.tree.walk(keys[:depth])
-        if pos != depth or not path:
-            return None
-        return path[-1]
+    def _node_ending_at(self, path: list, depth: int, now_s: float) -> Node:
+        """The node of `path` that ends at `depth`, splitting one edge if needed (I4: the split
+        leaves existing checkpoints where they are). Keeps `path` up to date."""
+        i = bisect_left(path, depth, key=_depth_of)
+        node = path[i]
+        if node.depth_pages == depth:
+            return node
+        head = self.tree.split(node, depth - node.start_pages, now_s)
+        self._touch(node)
+        path.insert(i, head)
+        return head
 
-    def _add_checkpoint(self, keys: list, depth: int, now_s: float, is_terminal: bool) -> int:
-        node = self._node_ending_at(keys, depth, now_s)
-        if node is None:
-            return 0
+    def _add_checkpoint(self, node: Node, now_s: float, is_terminal: bool) -> int:
         if node.ckpt_mask:
             node.ckpt_access_s = now_s
             return 0
@@ -295,23 +303,26 @@ class HybridPrefixCache(Placement):
                 heapq.heapreplace(heap, (current, next(self._seq), node, unit, bit_index, version))
                 continue
             heapq.heappop(heap)
-            self._evict_unit(node, unit, Tier(bit_index), now_s)
-            if len(heap) > _COMPACT_FACTOR * (self.tree.num_nodes + 64):
+            self._evict_unit(node, unit, ALL_TIERS[bit_index], now_s)
+            if len(heap) > _COMPACT_FACTOR * (self.tree.num_nodes + 1024):
                 self._rebuild_heaps()
             return True
         return False
 
     def _touch(self, node: Node) -> None:
-        """Invalidate `node`'s heap entries and push its current units."""
+        """Invalidate `node`'s heap entries and push its current units.
+
+        Entries are pushed with the unit's last access time, a lower bound of every policy's score
+        (Policy.score contract); the true score is computed only if the entry reaches the top of
+        the heap, where `_evict_one` re-ranks it. Most entries are invalidated before that.
+        """
         node.version += 1
         node.is_parked = False
         if not node.is_alive or node.parent is None:
             return
         for unit, t in units_of(node, self.policy.partitioned):
-            kind = ItemKind.KV if unit is UnitKind.BUNDLE else ItemKind.CHECKPOINT
-            pool = self.ledger.pool_of(Tier(t), kind)
-            score = self.policy.score(self, node, unit, 1 << t)
-            heapq.heappush(self.heaps[pool], (score, next(self._seq), node, unit, t, node.version))
+            bound = last_access_s(node, unit, 1 << t)
+            heapq.heappush(self._heap_of[unit, t], (bound, next(self._seq), node, unit, t, node.version))
 
     def _touch_checkpoint_neighbourhood(self, node: Node) -> None:
         """A checkpoint appeared or vanished: the costs of its neighbours changed (eq. 7 update)."""
@@ -326,10 +337,10 @@ class HybridPrefixCache(Placement):
             self._touch(child)
 
     def _rebuild_heaps(self) -> None:
-        for pool in self.heaps:
-            self.heaps[pool] = []
-        for node in self.tree.iter_nodes():
-            self._touch(node)
+        """Drop stale entries (dead node or old version); live ones keep their place and score."""
+        for heap in self.heaps.values():
+            heap[:] = [e for e in heap if e[2].is_alive and e[2].version == e[5]]  # in place: _heap_of aliases it
+            heapq.heapify(heap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +348,10 @@ class InsertResult:
     num_new_pages: int
     num_checkpoints_added: int
     bytes_written_by_tier: dict
+
+
+def _depth_of(node: Node) -> int:
+    return node.depth_pages
 
 
 def _default_split(capacity: dict) -> dict:

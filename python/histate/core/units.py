@@ -43,14 +43,25 @@ def is_tier_leaf(node: Node, bit: int) -> bool:
     return True
 
 
-def units_of(node: Node, partitioned: bool):
-    """Yield (unit kind, tier bit index) for every unit `node` currently forms."""
-    for t in range(3):
+_SET_BITS = tuple(tuple(t for t in range(3) if mask >> t & 1) for mask in range(8))
+
+
+def units_of(node: Node, partitioned: bool) -> list:
+    """(unit kind, tier index) for every unit `node` currently forms. Hot path: loops over the
+    tiers the node actually occupies only."""
+    units = []
+    kv_mask, ckpt_mask, children = node.kv_mask, node.ckpt_mask, node.children
+    for t in _SET_BITS[kv_mask | ckpt_mask]:
         bit = 1 << t
-        if node.kv_mask & bit and is_tier_leaf(node, bit):
-            yield UnitKind.BUNDLE, t
-        if node.ckpt_mask & bit and (partitioned or not (node.kv_mask & bit and not node.children)):
-            yield UnitKind.CHECKPOINT, t
+        if kv_mask & bit:
+            for child in children.values():
+                if child.kv_mask & bit:
+                    break
+            else:
+                units.append((UnitKind.BUNDLE, t))
+        if ckpt_mask & bit and (partitioned or not (kv_mask & bit and not children)):
+            units.append((UnitKind.CHECKPOINT, t))
+    return units
 
 
 def last_access_s(node: Node, unit: UnitKind, bit: int) -> float:

@@ -3,7 +3,9 @@
 A policy is a small class: a few flags (which tiers, inclusive or exclusive placement, where
 historical checkpoints go, refresh rule, static split) and two decisions:
   admit(ctx)                  -> checkpoint depths (pages) for a request's new segment
-  score(cache, node, unit, t) -> eviction priority; the lowest is evicted first
+  score(cache, node, unit, t) -> eviction priority; the lowest is evicted first. Contract: a score
+                                 is never below the unit's last access time (GreedyDual form
+                                 t + non-negative term), which lets the victim heap rank lazily.
 Policies never mutate the tree; the cache applies their decisions (docs/policies.md).
 """
 from __future__ import annotations
