@@ -48,6 +48,8 @@ def source_view(obj) -> tuple[np.ndarray, str, tuple[int, ...]]:
     """(flat uint8 view sharing memory, dtype name, shape) of a payload to write."""
     if _is_torch_tensor(obj):
         return _torch_bytes(obj, writable=False), str(obj.dtype), tuple(int(d) for d in obj.shape)
+    if isinstance(obj, np.generic):
+        obj = np.asarray(obj)
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             raise ValueError(f"object arrays cannot be stored (dtype {obj.dtype})")
@@ -85,7 +87,7 @@ def destination_view(obj, num_bytes: int) -> np.ndarray:
 def typed_view(flat: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The payload as the numpy array it was written from; raw uint8 for non-numpy dtypes (bf16...)."""
     try:
-        dtype = np.dtype(dtype_name)
+        dtype = np.dtype(dtype_name.removeprefix("torch."))  # torch.float32 -> float32; bfloat16 fails
     except TypeError:
         return flat
     if dtype.itemsize == 0 or flat.size % dtype.itemsize:

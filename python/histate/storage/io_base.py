@@ -68,7 +68,11 @@ class IoSession:
         except OSError as exc:
             raise fault_from_oserror(exc, f"open {path}") from None
         f = OpenFile(path, fd, os.fstat(fd).st_size, direct, writable=False)
-        self._attach(f)
+        try:
+            self._attach(f)
+        except BaseException:
+            os.close(fd)
+            raise
         return f
 
     def create(self, path: str, file_bytes: int, direct: bool) -> OpenFile:
@@ -83,9 +87,15 @@ class IoSession:
                 os.posix_fallocate(fd, 0, file_bytes)
         except OSError as exc:
             os.close(fd)
+            os.unlink(path)  # ours: created O_EXCL just above
             raise fault_from_oserror(exc, f"preallocate {file_bytes} bytes for {path}") from None
         f = OpenFile(path, fd, file_bytes, direct, writable=True)
-        self._attach(f)
+        try:
+            self._attach(f)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
         return f
 
     def close(self, f: OpenFile) -> None:

@@ -73,7 +73,6 @@ class NixlSession(IoSession):
             f.token = self.agent.register_memory([(0, max(f.size_bytes, 1), f.fd, "")], "FILE",
                                                  backends=[_BACKEND])
         except Exception as exc:
-            os.close(f.fd)
             raise IoFault(Fault.IO_ERROR, f"NIXL register {f.path}: {type(exc).__name__}: {exc}") from None
 
     def _detach(self, f: OpenFile) -> None:

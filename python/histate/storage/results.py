@@ -66,6 +66,17 @@ class GetResult:
             raise LookupError(f"{self.key!r} was a miss ({self.fault.value})")
         return typed_view(self.buffer, self.dtype_name, self.shape)
 
+    def tensor(self):
+        """Payload as a CPU torch tensor sharing the buffer (torch imported only here)."""
+        import torch
+
+        if self.buffer is None:
+            raise LookupError(f"{self.key!r} was a miss ({self.fault.value})")
+        if self.dtype_name.startswith("torch."):
+            dtype = getattr(torch, self.dtype_name.removeprefix("torch."))
+            return torch.from_numpy(self.buffer).view(dtype).reshape(self.shape)
+        return torch.from_numpy(self.array())
+
 
 @dataclass
 class PutResult:
