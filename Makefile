@@ -18,6 +18,8 @@ $(STAMP): python/pyproject.toml constraints/cpu.txt Makefile
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
 	$(PIP) -e "python[sim,storage,test,reference,sglang]"
+	# State-capture kernels (pure Python; triton only imported on CUDA, never installed here).
+	$(PIP) -e sgl-kernel-ext
 	# SGLang without its dependency tree (it would pull CUDA torch, sgl-kernel, flashinfer ...).
 	$(PIP) --no-deps sglang==0.5.23
 	# NIXL: the meta package plus one backend wheel only (the cu12 twin is 250 MB of dead weight on CPU).

@@ -1,0 +1,133 @@
+"""Resuming through HiState's tiers is exact: every request of an agent workload -- appends, forks,
+truncations inside earlier messages, rewind-and-edit, returns after demotion to CPU and SSD -- gives the
+logits of a cold full prefill, while the executor's bytes mirror the core's placement after every step.
+
+fp64 (float64 weights and GDN kernels): max |diff| <= 1e-12. fp32: <= 1e-5. A checkpoint one token off
+must fail the check, or the check proves nothing.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from histate.core import Tier  # noqa: E402
+from histate.reference.exactness import TOLERANCE, max_logit_diff  # noqa: E402
+from histate.reference.executor import ReferenceExecutor  # noqa: E402
+from histate.reference.hybrid_cache import Checkpoint  # noqa: E402
+from histate.reference.ssd import open_ssd  # noqa: E402
+from histate.reference.workloads import agent_mutation_workload  # noqa: E402
+
+POLICIES = ["histate", "vllm-disk", "sglang-hicache"]
+# Small tiers so that eviction, demotion and SSD round trips really happen: about two sessions' KV fit
+# on the "GPU", two more on the CPU.
+CAPACITY_PAGES = {Tier.GPU: 20, Tier.CPU: 20, Tier.SSD: 400}
+
+
+def _executor(runner, policy, ssd_dir, **kwargs):
+    page_bytes = runner.geometry.kv_page_size_bytes
+    capacity = {t: n * page_bytes for t, n in CAPACITY_PAGES.items()}
+    return ReferenceExecutor(runner, policy, capacity, open_ssd(str(ssd_dir), capacity[Tier.SSD]), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def served_workload(runners, cold_runs, tmp_path_factory):
+    """(numerics, policy) -> [(request, served, diff)], replayed once per session; the mirror and the
+    core's invariants are checked after every request (a mismatch raises here)."""
+    memo = {}
+
+    def get(numerics, policy):
+        if (numerics, policy) not in memo:
+            runner = runners(numerics)
+            executor = _executor(runner, policy, tmp_path_factory.mktemp(f"ssd-{numerics}-{policy}"))
+            rows = []
+            for request in agent_mutation_workload():
+                cold = cold_runs(numerics, request.token_ids)
+                served = executor.serve(request.token_ids, request.now_s, cold.decode_tokens)
+                executor.check_mirror()
+                executor.cache.check_invariants()
+                rows.append((request, served, max_logit_diff(served, cold)))
+            memo[(numerics, policy)] = (rows, executor)
+        return memo[(numerics, policy)]
+
+    yield get
+    for _, executor in memo.values():
+        executor.close()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_every_request_matches_a_cold_prefill(numerics, policy, served_workload):
+    rows, _ = served_workload(numerics, policy)
+    failures = [(r.label, r.session, s.num_reused_pages, d) for r, s, d in rows if d > TOLERANCE[numerics]]
+    assert not failures, f"resumed logits differ from cold prefill beyond {TOLERANCE[numerics]}: {failures}"
+    assert sum(s.num_reused_pages for _, s, _ in rows) > 0
+
+
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_histate_workload_covers_every_hit_type_through_every_tier(numerics, served_workload):
+    rows, executor = served_workload(numerics, "histate")
+    hits = [(r, s) for r, s, _ in rows if s.num_reused_pages > 0]
+    hit_labels = {r.label for r, _ in hits}
+    assert {"append", "fork", "truncate", "rewind-edit", "return"} <= hit_labels
+    # Checkpoints were restored from each tier, and KV was found in each tier at match time.
+    assert {s.checkpoint_tier for _, s in hits} == {Tier.GPU, Tier.CPU, Tier.SSD}
+    assert {t for _, s in hits for t in s.kv_pages_by_tier_at_match} == {Tier.GPU, Tier.CPU, Tier.SSD}
+    # Mutations hit inside cached KV: the checkpoint used sits before the end of the KV match.
+    assert all(s.num_reused_pages < s.num_kv_pages for r, s in hits if r.label in ("truncate", "rewind-edit"))
+    # Some prefill produced several checkpoints, and a later hit used an intermediate one of those.
+    intermediate = {(r.session, d) for r, s, _ in rows for d in s.planned_checkpoint_pages[:-1]}
+    assert intermediate, "the interval controller planned no intermediate checkpoint"
+    assert any((r.session, s.num_reused_pages) in intermediate for r, s in hits)
+    # Data went down to SSD and came back: demotions, direct SSD puts and SSD -> GPU promotions.
+    ops = {(a, k, src, dst) for (a, k, src, dst) in executor.op_counts}
+    assert ("move", "kv", Tier.CPU, Tier.SSD) in ops and ("move", "kv", Tier.SSD, Tier.GPU) in ops
+    assert ("move", "checkpoint", Tier.GPU, Tier.CPU) in ops and ("move", "checkpoint", Tier.CPU, Tier.SSD) in ops
+    assert ("put", "checkpoint", None, Tier.SSD) in ops
+
+
+def test_write_through_policy_restores_copies_from_lower_tiers(served_workload):
+    rows, executor = served_workload("fp32", "vllm-disk")
+    assert ("copy", "kv", Tier.SSD, Tier.GPU) in executor.op_counts
+    assert any(s.checkpoint_tier is Tier.SSD for _, s, _ in rows if s.num_reused_pages)
+
+
+def _off_by_one(runner):
+    """A fault: the state after position-1 tokens, presented as the checkpoint at `position`."""
+
+    def fault(token_ids, checkpoint):
+        shifted = runner.checkpoint_by_prefill(token_ids, checkpoint.position - 1)
+        return Checkpoint(checkpoint.position, shifted.conv, shifted.ssm)
+
+    return fault
+
+
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_a_checkpoint_one_token_off_fails_the_check(numerics, runners, cold_runs, tmp_path):
+    runner = runners(numerics)
+    executor = _executor(runner, "histate", tmp_path, checkpoint_fault=_off_by_one(runner))
+    first, second = agent_mutation_workload()[:2]
+    executor.serve(first.token_ids, first.now_s)
+    cold = cold_runs(numerics, second.token_ids)
+    served = executor.serve(second.token_ids, second.now_s, cold.decode_tokens)
+    assert served.num_reused_pages > 0
+    assert max_logit_diff(served, cold) > 100 * TOLERANCE["fp32"]
+    executor.close()
+
+
+def test_a_lost_ssd_object_is_reported_not_served(runners, tmp_path):
+    """Deleting a checkpoint behind the executor's back must surface, never yield silent wrong state."""
+    from histate.reference.tier_stores import StoreMismatch
+
+    runner = runners("fp32")
+    executor = _executor(runner, "histate", tmp_path)
+    requests = agent_mutation_workload()
+    for request in requests[:4]:
+        executor.serve(request.token_ids, request.now_s)
+    ssd = executor.checkpoint_stores[Tier.SSD]
+    assert ssd.names, "workload prefix put no checkpoint on SSD"
+    for key in list(ssd.names):
+        ssd.store.delete(f"ckpt-{key.hex()}")
+    with pytest.raises(StoreMismatch, match="missing or corrupt"):
+        for request in requests[4:]:
+            executor.serve(request.token_ids, request.now_s)
+    executor.close()
