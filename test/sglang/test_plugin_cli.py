@@ -96,6 +96,7 @@ def test_without_the_flag_nothing_changes(sglang_plugins):
         (["--enable-session-radix-cache"], "--enable-session-radix-cache"),
         (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
+        (["--hicache-write-policy", "write_back"], "--hicache-write-policy"),
     ],
 )
 def test_incompatible_flags_are_rejected_with_one_message(sglang_plugins, argv, flag):

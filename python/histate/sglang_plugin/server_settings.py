@@ -55,6 +55,9 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (lambda r: _flag(r, "hicache_host_memory_mode", "cache") == "buffer_only",
      "--enable-histate needs --hicache-host-memory-mode cache: HiState keeps reusable KV in host "
      "DRAM, which buffer_only turns into a transient staging buffer."),
+    (lambda r: _flag(r, "hicache_write_policy", "write_through") == "write_back",
+     "--enable-histate needs a write-through host tier (--hicache-write-policy write_through or "
+     "write_through_selective): checkpoints flow device -> host -> SSD as they are created."),
     (lambda r: _flag(r, "hicache_storage_backend") not in (None, "dynamic"),
      "--enable-histate brings its own SSD backend; drop --hicache-storage-backend "
      "and give --histate-ssd-dir DIR instead."),

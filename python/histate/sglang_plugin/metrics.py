@@ -1,0 +1,130 @@
+"""HiState's Prometheus series, exported the way SGLang exports its own cache metrics.
+
+SGLang runs prometheus_client in multiprocess mode (PROMETHEUS_MULTIPROC_DIR is set by the
+launcher before any collector exists; the HTTP server's /metrics aggregates every process), and
+its collectors create series with the `sglang:` prefix and the rank labels of
+`radix_cache_metric_labels`. HiState's series follow the same conventions so they appear on the
+same /metrics page next to `sglang:evicted_tokens_total` and friends:
+
+  sglang:histate_prefix_hits_total{tier}        matches that reused a checkpoint, by its tier
+  sglang:histate_reused_tokens_total            tokens reused (DESIGN.md hit accounting: c)
+  sglang:histate_input_tokens_total             tokens looked up (hit rate = reused / input)
+  sglang:histate_checkpoints{tier}              checkpoints resident per tier (gauge)
+  sglang:histate_evictions_total{unit}          eviction decisions by unit: checkpoint | bundle
+  sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
+  sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
+  sglang:histate_prefill_chunk_cuts_total{kind} chunk ends moved onto planned checkpoints
+
+Every value is also kept as a plain integer in `totals` (tests and benchmarks read these), so
+recording works identically with Prometheus off (`--enable-metrics` not given).
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter as _Tally
+from typing import Any, Mapping, Optional
+
+TIERS = ("device", "host", "storage")
+UNITS = ("checkpoint", "bundle")
+CUT_KINDS = ("floor", "split")
+
+_shared: dict[tuple, "HiStateMetrics"] = {}
+_shared_lock = threading.Lock()
+
+
+class HiStateMetrics:
+    """Counters for one SGLang process (one scheduler rank)."""
+
+    def __init__(self, labels: Optional[Mapping[str, str]] = None, *, export: bool = False,
+                 registry: Any = None, counter_cls: Any = None, gauge_cls: Any = None):
+        self.labels = dict(labels or {})
+        self.totals: _Tally = _Tally()
+        self._prom: dict[str, Any] = {}
+        if export:
+            self._init_prometheus(registry, counter_cls, gauge_cls)
+
+    def _init_prometheus(self, registry: Any, counter_cls: Any, gauge_cls: Any) -> None:
+        # Imported late: prometheus_client must see PROMETHEUS_MULTIPROC_DIR first (SGLang sets it).
+        from prometheus_client import REGISTRY
+        from prometheus_client import Counter as PromCounter
+        from prometheus_client import Gauge as PromGauge
+
+        counter_cls = counter_cls or PromCounter
+        gauge_cls = gauge_cls or PromGauge
+        registry = registry if registry is not None else REGISTRY
+        names = list(self.labels)
+
+        def counter(key: str, doc: str, extra: tuple = ()) -> None:
+            self._prom[key] = counter_cls(name=f"sglang:histate_{key}", documentation=doc,
+                                          labelnames=names + list(extra), registry=registry)
+
+        counter("prefix_hits_total", "Prefix matches that reuse a checkpoint, by the checkpoint's tier.",
+                ("tier",))
+        counter("reused_tokens_total", "Tokens reused without recomputation (KV + a checkpoint).")
+        counter("input_tokens_total", "Tokens looked up in the cache (denominator of the hit rate).")
+        counter("evictions_total", "Unified-eviction decisions by unit: intermediate checkpoint or "
+                "terminal bundle (last KV segment + terminal checkpoint).", ("unit",))
+        counter("ssd_read_bytes_total", "Bytes read from HiState's SSD tier.")
+        counter("ssd_written_bytes_total", "Bytes written to HiState's SSD tier.")
+        counter("prefill_chunk_cuts_total", "Chunked-prefill chunk ends moved onto planned "
+                "checkpoint positions ('split' adds a forward pass, 'floor' does not).", ("kind",))
+        self._prom["checkpoints"] = gauge_cls(
+            name="sglang:histate_checkpoints", documentation="Checkpoints resident per tier.",
+            labelnames=names + ["tier"], multiprocess_mode="mostrecent", registry=registry)
+
+    def _inc(self, key: str, amount: float, **extra: str) -> None:
+        tally_key = key if not extra else (key, *extra.values())
+        self.totals[tally_key] += amount
+        series = self._prom.get(key)
+        if series is not None and amount:
+            series.labels(**self.labels, **extra).inc(amount)
+
+    def record_match(self, *, input_tokens: int, reused_tokens: int, tier: Optional[str]) -> None:
+        """One lookup; `tier` is where the reused checkpoint lives (None: nothing reused)."""
+        self._inc("input_tokens_total", input_tokens)
+        if reused_tokens > 0 and tier is not None:
+            self._inc("reused_tokens_total", reused_tokens)
+            self._inc("prefix_hits_total", 1, tier=tier)
+
+    def record_eviction(self, unit: str) -> None:
+        self._inc("evictions_total", 1, unit=unit)
+
+    def record_ssd_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
+        if read_bytes:
+            self._inc("ssd_read_bytes_total", read_bytes)
+        if written_bytes:
+            self._inc("ssd_written_bytes_total", written_bytes)
+
+    def record_chunk_cut(self, kind: str) -> None:
+        self._inc("prefill_chunk_cuts_total", 1, kind=kind)
+
+    def set_checkpoints(self, tier: str, count: int) -> None:
+        self.totals[("checkpoints", tier)] = count
+        gauge = self._prom.get("checkpoints")
+        if gauge is not None:
+            gauge.labels(**self.labels, tier=tier).set(count)
+
+
+def shared_metrics(labels: Optional[Mapping[str, str]] = None, *, export: bool = False) -> HiStateMetrics:
+    """The process-wide instance (the tree cache and the storage backend record into the same
+    series; Prometheus refuses to register a series name twice in one process)."""
+    key = tuple(sorted((labels or {}).items()))
+    with _shared_lock:
+        metrics = _shared.get(key)
+        if metrics is None or (export and not metrics._prom):
+            metrics = HiStateMetrics(labels, export=export)
+            _shared[key] = metrics
+        return metrics
+
+
+def radix_cache_labels(cache_class_name: str) -> dict[str, str]:
+    """SGLang's rank labels for cache series (same helper its RadixCacheMetricsCollector uses)."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.observability.metrics_collector import radix_cache_metric_labels
+    from sglang.srt.runtime_context import get_observability, get_parallel
+
+    labels = radix_cache_metric_labels(cache_class_name, get_parallel(), is_dp_attention_enabled())
+    extra = get_observability().extra_metric_labels
+    if extra:
+        labels.update(extra)
+    return labels

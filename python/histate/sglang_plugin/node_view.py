@@ -1,0 +1,109 @@
+"""SGLang tree nodes seen through the shape of `histate.core` nodes, so the core scores them.
+
+The core's eviction terms (`histate.core.units`, `Policy.score`) read a node's `parent`,
+`children`, `keys` (only its length), `depth_pages`, `kv_mask`, `ckpt_mask` (a bit per tier:
+GPU=1, CPU=2, SSD=4), `kv_access_s` and `ckpt_access_s`. `NodeView` answers those from an SGLang
+`UnifiedTreeNode` plus a few attributes HiState stamps onto it (access/creation times in seconds,
+the memoised depth). Lengths are in tokens: the scoring config uses `page_num_tokens=1`, because
+SGLang edges are page- but not checkpoint-grid-aligned.
+
+Node stamps (plain attributes, absent on nodes SGLang created behind our back such as split
+parents; readers fall back as documented on each accessor):
+  _hs_kv_access_s, _hs_ckpt_access_s, _hs_kv_created_s, _hs_ckpt_created_s, _hs_depth, _hs_version
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+FULL = 0  # sglang ComponentType.FULL
+MAMBA = 2  # sglang ComponentType.MAMBA
+GPU_BIT, CPU_BIT, SSD_BIT = 1, 2, 4
+
+
+def depth_tokens(node: Any) -> int:
+    """Tokens from the root to the end of `node` (never changes: splits shorten keys from the front)."""
+    depth = getattr(node, "_hs_depth", None)
+    if depth is None:
+        parent = node.parent
+        depth = 0 if parent is None else depth_tokens(parent) + len(node.key)
+        node._hs_depth = depth
+    return depth
+
+
+def kv_access_s(node: Any) -> float:
+    """Last KV access; a split parent inherits its child's stamp (set in the split hook)."""
+    return getattr(node, "_hs_kv_access_s", 0.0)
+
+
+def ckpt_access_s(node: Any) -> float:
+    return getattr(node, "_hs_ckpt_access_s", kv_access_s(node))
+
+
+def has_device_state(node: Any) -> bool:
+    return node.component_data[MAMBA].value is not None
+
+
+def has_host_state(node: Any) -> bool:
+    return node.component_data[MAMBA].host_value is not None
+
+
+class ScoringContext:
+    """What `Policy.score(cache, ...)` reads from its `cache` argument, plus the SSD lookup."""
+
+    __slots__ = ("config", "terminal_prob", "state_on_ssd")
+
+    def __init__(self, config: Any, terminal_prob: float, state_on_ssd: Callable[[Any], bool]):
+        self.config = config
+        self.terminal_prob = terminal_prob
+        self.state_on_ssd = state_on_ssd
+
+
+class NodeView:
+    """Read-only adapter: one SGLang node in the core's node shape (see module docstring)."""
+
+    __slots__ = ("node", "ctx")
+
+    def __init__(self, node: Any, ctx: ScoringContext):
+        self.node = node
+        self.ctx = ctx
+
+    @property
+    def parent(self) -> Optional["NodeView"]:
+        parent = self.node.parent
+        return None if parent is None else NodeView(parent, self.ctx)
+
+    @property
+    def children(self) -> dict:
+        return {k: NodeView(c, self.ctx) for k, c in self.node.children.items()}
+
+    @property
+    def keys(self) -> range:
+        return range(len(self.node.key) if self.node.key is not None else 0)
+
+    @property
+    def depth_pages(self) -> int:
+        return depth_tokens(self.node)
+
+    @property
+    def kv_mask(self) -> int:
+        data = self.node.component_data[FULL]
+        return (GPU_BIT if data.value is not None else 0) | (CPU_BIT if data.host_value is not None else 0)
+
+    @property
+    def ckpt_mask(self) -> int:
+        node = self.node
+        if node.parent is None:
+            return 0
+        data = node.component_data[MAMBA]
+        mask = (GPU_BIT if data.value is not None else 0) | (CPU_BIT if data.host_value is not None else 0)
+        if self.ctx.state_on_ssd(node):
+            mask |= SSD_BIT
+        return mask
+
+    @property
+    def kv_access_s(self) -> float:
+        return kv_access_s(self.node)
+
+    @property
+    def ckpt_access_s(self) -> float:
+        return ckpt_access_s(self.node)

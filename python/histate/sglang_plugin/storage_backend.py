@@ -1,0 +1,260 @@
+"""HiState's SSD tier as an SGLang HiCache storage backend (`--hicache-storage-backend dynamic`).
+
+SGLang loads this class through `StorageBackendFactory` from the extra config that
+`--enable-histate --histate-ssd-dir ...` writes (`module_path`/`class_name`, plus a `histate`
+section with the directories, the byte budget and the I/O engine). Bytes go through
+`histate.storage.CheckpointStore` (NIXL POSIX, or plain files with the same on-disk format;
+checksummed, atomically published, index rebuilt on restart); this module only maps SGLang's
+calls onto it:
+
+  * KV pages (generic page path): `batch_get` / `batch_set` / `batch_exists`, one object per page;
+  * extra pools, in particular the MAMBA pool (v2 path): `batch_get_v2` / `batch_set_v2` move one
+    state per key between the host pool and the store;
+  * `batch_exists_v2` reports every restorable prefix length: a prefix of p pages is restorable
+    when KV pages [0, p) are stored and the state keyed by page p-1 is stored. Because SGLang keys a
+    state by the last page hash of the node it ends, every checkpoint SGLang ever wrote (one per
+    node end, and HiState creates a node end at every planned checkpoint) is a resume point, not
+    only the end of the longest hit.
+
+Store keys are `<pool>/<page hash><rank suffix>`; the suffix keeps TP/PP ranks apart like
+SGLang's file backend does. Faults never raise: a failed read is a miss, a failed write is False.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from .server_settings import EXTRA_CONFIG_KEY
+
+logger = logging.getLogger(__name__)
+
+KV_POOL = "kv"
+FREE_SPACE_FRACTION = 0.9  # budget when --histate-ssd-size is 0: this share of the free space
+
+
+def default_budget_bytes(dirs: list[str]) -> int:
+    """90% of the free space of the given directories (each counted once per file system)."""
+    seen: dict[int, int] = {}
+    for d in dirs:
+        import os
+
+        os.makedirs(d, exist_ok=True)
+        seen[os.stat(d).st_dev] = shutil.disk_usage(d).free
+    return int(sum(seen.values()) * FREE_SPACE_FRACTION)
+
+
+def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None) -> Any:
+    """A CheckpointStore from the `histate` section of the extra config."""
+    from histate.storage import CheckpointStore, StoreConfig
+
+    dirs = list(section.get("ssd_dirs") or [])
+    if not dirs:
+        raise ValueError("HiState storage backend: extra config has no histate.ssd_dirs (--histate-ssd-dir)")
+    budget = int(section.get("ssd_size_bytes") or 0) or default_budget_bytes(dirs)
+    config = StoreConfig(dirs=dirs, capacity_bytes=budget, backend=section.get("io_backend", "auto"))
+    return CheckpointStore(config, on_evict=on_evict)
+
+
+class HiStateStorageBackend(HiCacheStorage):
+    """SGLang `HiCacheStorage` over `histate.storage.CheckpointStore` (see module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *,
+                 store: Any = None):
+        extra = storage_config.extra_config or {}
+        section = dict(extra.get(EXTRA_CONFIG_KEY) or {})
+        model = "-".join((storage_config.model_name or "").split("/"))
+        suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
+        if storage_config.pp_size > 1:
+            suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
+        if storage_config.attn_cp_size > 1:
+            suffix += f"_cp{storage_config.attn_cp_rank}_{storage_config.attn_cp_size}"
+        self.key_suffix = suffix
+        self.metrics: Any = None  # HiStateMetrics, set by the tree cache once attached
+        self.on_state_evicted: Optional[Callable[[float], None]] = None  # T_state EMA feed
+        self.store = store if store is not None else open_store(section, on_evict=self._on_evict)
+        self.registered_pools: dict = {}
+
+    # --- keys and bookkeeping -------------------------------------------------------------------
+
+    def store_key(self, pool: Any, page_hash: str) -> str:
+        return f"{getattr(pool, 'value', pool)}/{page_hash}{self.key_suffix}"
+
+    def _on_evict(self, event: Any) -> None:
+        if event.key.startswith(f"{KV_POOL}/"):
+            return
+        if self.on_state_evicted is not None:
+            self.on_state_evicted(event.residence_s)
+
+    def _count_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
+        if self.metrics is not None:
+            self.metrics.record_ssd_io(read_bytes=read_bytes, written_bytes=written_bytes)
+
+    def has_state(self, page_hash: str, pool: Any = "mamba") -> bool:
+        """Whether the checkpoint keyed by the last page hash of a node is on SSD."""
+        return self.store.exists(self.store_key(pool, page_hash))
+
+    def read_state(self, page_hash: str, host_pool: Any, host_index: int, pool: Any = "mamba") -> bool:
+        """Copy one stored checkpoint into `host_pool` slot `host_index`; False on any miss/fault."""
+        page = host_pool.get_dummy_flat_data_page()
+        result = self.store.get(self.store_key(pool, page_hash), out=page)
+        if not result.hit:
+            return False
+        host_pool.set_from_flat_data_page(host_index, page)
+        self._count_io(read_bytes=page.numel() * page.element_size())
+        return True
+
+    # --- KV pages: the generic page path ---------------------------------------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Optional[torch.Tensor]:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        outs = list(target_locations) if target_locations is not None else [None] * len(keys)
+        store_keys = [self.store_key(KV_POOL, k) for k in keys]
+        present = [self.store.payload_bytes(k) for k in store_keys]
+        # A destination of the wrong size is a layout mismatch: report a miss, do not raise.
+        usable = [out is None or (size is not None and out.numel() * out.element_size() == size)
+                  for out, size in zip(outs, present)]
+        results = self.store.submit_get(
+            [k for k, ok in zip(store_keys, usable) if ok],
+            [o for o, ok in zip(outs, usable) if ok] if target_locations is not None else None).wait()
+        it = iter(results)
+        values: list = []
+        for ok, out in zip(usable, outs):
+            result = next(it) if ok else None
+            if result is None or not result.hit:
+                values.append(None)
+                continue
+            tensor = out if out is not None else result.tensor()
+            self._count_io(read_bytes=tensor.numel() * tensor.element_size())
+            values.append(tensor)
+        return values
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        items = [(self.store_key(KV_POOL, k), v.contiguous()) for k, v in zip(keys, values)
+                 if not self.store.exists(self.store_key(KV_POOL, k))]
+        results = self.store.submit_put(items).wait() if items else []
+        for (key, value), result in zip(items, results):
+            if result.stored:
+                self._count_io(written_bytes=value.numel() * value.element_size())
+        return all(r.stored for r in results)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(self.store_key(KV_POOL, key))
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+    # --- extra pools (MAMBA): the v2 path --------------------------------------------------------
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        kv_pages = self.batch_exists(keys)
+        hit_count: dict = {KV_POOL: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            if not restorable:
+                break
+
+            def stored(i: int, name: Any = transfer.name) -> bool:
+                return self.store.exists(self.store_key(name, keys[i]))
+
+            if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                pool_ok = {p for p in restorable if all(stored(i) for i in range(max(0, p - trailing), p))}
+            elif transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = next((i for i in range(kv_pages) if not stored(i)), kv_pages)
+                pool_ok = set(range(1, boundary + 1))
+            else:
+                raise ValueError(f"HiState storage: unsupported pool hit policy {transfer.hit_policy}")
+            if pool_ok:
+                hit_count[transfer.name] = max(pool_ok)
+            restorable &= pool_ok
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hit_count, ordered)
+
+    def _pool_pages(self, transfer: PoolTransfer) -> Optional[tuple[Any, int, list]]:
+        host_pool = self.registered_pools.get(transfer.name)
+        keys = transfer.keys or []
+        page_size = getattr(host_pool, "page_size", 1) or 1
+        indices = transfer.host_indices
+        if host_pool is None or indices is None or indices.numel() != len(keys) * page_size:
+            logger.error("HiState storage: %s transfer has %s host indices for %d keys",
+                         transfer.name, None if indices is None else indices.numel(), len(keys))
+            return None
+        return host_pool, page_size, keys
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        results: dict = {}
+        for transfer in transfers:
+            layout = self._pool_pages(transfer)
+            if layout is None:
+                results[transfer.name] = [False] * len(transfer.keys or [])
+                continue
+            host_pool, page_size, keys = layout
+            ok = []
+            for i, key in enumerate(keys):
+                ok.append(self.read_state(key, host_pool, int(transfer.host_indices[i * page_size]),
+                                          pool=transfer.name))
+            results[transfer.name] = ok
+        return results
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        results: dict = {}
+        for transfer in transfers:
+            layout = self._pool_pages(transfer)
+            if layout is None:
+                results[transfer.name] = [False] * len(transfer.keys or [])
+                continue
+            host_pool, page_size, keys = layout
+            items, flags = [], []
+            for i, key in enumerate(keys):
+                store_key = self.store_key(transfer.name, key)
+                if self.store.exists(store_key):
+                    flags.append(True)
+                    continue
+                page = host_pool.get_data_page(int(transfer.host_indices[i * page_size]), flat=True)
+                items.append((len(flags), store_key, page))
+                flags.append(False)
+            done = self.store.submit_put([(k, p) for _, k, p in items]).wait() if items else []
+            for (slot, _, page), result in zip(items, done):
+                flags[slot] = result.stored
+                if result.stored:
+                    self._count_io(written_bytes=page.numel() * page.element_size())
+            results[transfer.name] = flags
+        return results
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def clear(self) -> bool:
+        for key in self.store.keys():
+            if key.endswith(self.key_suffix):
+                self.store.delete(key)
+        return True
+
+    def get_stats(self) -> dict:
+        return self.store.stats_snapshot()
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,163 @@
+"""HiState's tree cache for SGLang: `UnifiedRadixCache` with HiState's decisions, and its factory.
+
+`histate_cache_factory` is the radix-cache backend "histate" (`register_radix_cache_backend`,
+selected by `--radix-cache-backend histate`, which `--enable-histate` sets). It keeps SGLang's
+construction path (`create_unified_radix_cache`: component setup, HiCache attach) and swaps in:
+  * `HiStateRadixCache` -- the cache class: a `HiStateRuntime` (runtime.py), the tree core
+    "histate" (tree_core.py), the FULL/MAMBA component overrides (components.py), and a match
+    that refreshes per HiState's policy and restores SSD-only checkpoints into the host pool;
+  * HiState's host sizing (host_stack.py) for the HiCache host pools it attaches.
+The cache's observable contract (match/insert/evict/lock, `sanity_check`) is SGLang's.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from .components import HiStateFullComponent, HiStateMambaComponent
+from .config import HiStateConfig, HiStateConfigError, resolve_config
+from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
+from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics
+from .runtime import HiStateRuntime
+from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
+from .tree_core import register_tree_core
+
+logger = logging.getLogger(__name__)
+
+MAX_SSD_RESTORE_ATTEMPTS = 4
+
+
+def kv_bytes_per_token(kvcache: Any) -> int:
+    """Device KV bytes of one token over every full-attention layer."""
+    total = kvcache.get_kv_size_bytes()
+    total = sum(total) if isinstance(total, tuple) else total
+    pool = getattr(kvcache, "full_kv_pool", kvcache)
+    buffers = getattr(pool, "k_buffer", None)
+    rows = buffers[0].shape[0] if buffers else kvcache.size + kvcache.page_size
+    return max(1, int(total) // int(rows))
+
+
+class HiStateRadixCache(UnifiedRadixCache):
+    """SGLang's unified radix cache making HiState's decisions (see module docstring)."""
+
+    def __init__(self, params: Any, *, histate_config: Optional[HiStateConfig] = None, policy: Any = None,
+                 clock: Optional[Callable[[], float]] = None, metrics: Optional[HiStateMetrics] = None):
+        from sglang.srt.runtime_context import mamba_checkpoint_grid
+
+        config = histate_config or current_build_config() or resolve_config({"enable": True}, {})
+        register_tree_core()
+        params.component_registry_override = {
+            **(params.component_registry_override or {}),
+            ComponentType.FULL: HiStateFullComponent,
+            ComponentType.MAMBA: HiStateMambaComponent,
+        }
+        params.tree_core_backend = TREE_CORE_BACKEND
+        if metrics is None:
+            metrics = (shared_metrics(radix_cache_labels(type(self).__name__), export=True)
+                       if params.enable_metrics else HiStateMetrics())
+        runtime_kwargs = {} if clock is None else {"clock": clock}
+        self.histate = HiStateRuntime(
+            config, grid_tokens=mamba_checkpoint_grid(params.page_size),
+            kv_bytes_per_token=kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache()),
+            checkpoint_bytes=mamba_slot_bytes(params.req_to_token_pool.mamba_pool),
+            policy=policy, metrics=metrics, **runtime_kwargs)
+        super().__init__(params)
+        self.tree_core.histate_ranker = self.histate.ranker
+        self.histate.ranker.tree_core = self.tree_core
+
+    # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
+
+    def init_hicache(self, server_args: Any, params: Any) -> None:
+        super().init_hicache(server_args, params)
+        backend = getattr(self.cache_controller, "storage_backend", None)
+        self.attach_ssd(getattr(backend, "_backend", backend))
+
+    def attach_ssd(self, backend: Any) -> None:
+        """Use `backend` (a HiStateStorageBackend) as the SSD tier of matches and metrics."""
+        from .storage_backend import HiStateStorageBackend
+
+        if not isinstance(backend, HiStateStorageBackend):
+            return
+        self.histate.ssd = backend
+        backend.metrics = self.histate.metrics
+        backend.on_state_evicted = self.histate.on_ssd_state_evicted
+
+    # --- matching ----------------------------------------------------------------------------------
+
+    def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
+        if self.disable:
+            return self.tree_core.empty_match_result
+        for _ in range(MAX_SSD_RESTORE_ATTEMPTS):
+            result = self.tree_core.match_prefix(params)
+            self._apply_cache_actions(result.cache_actions)
+            best = self.tree_core.node_by_id(result.best_match_node)
+            if self.histate.checkpoint_tier(best) != "storage":
+                break
+            if self._restore_state_from_ssd(best):
+                result = result._replace(mamba_host_hit_length=max(result.mamba_host_hit_length, 1))
+                break
+            best._hs_ssd_bad = True  # a fault is a miss, never a wrong result: match again without it
+        runtime = self.histate
+        visited = result.last_visited_node_id
+        last = self.tree_core.node_by_id(visited) if visited is not None else best
+        runtime.refresh_on_match(best, last, runtime.now())
+        runtime.observe_request_match(params.req, best, result.full_kv_hit_length, len(params.key))
+        return self._finalize_match_result(params, result)
+
+    def _restore_state_from_ssd(self, node: Any) -> bool:
+        """Read `node`'s checkpoint from the SSD tier into a host state slot (then SGLang's
+        load-back moves it to the device like any host hit). False on any miss or fault."""
+        host_pool = self.host_pool_group.get_pool(PoolName.MAMBA) if self.host_pool_group else None
+        if host_pool is None or not node.hash_value:
+            return False
+        slot = host_pool.alloc(1)
+        if slot is None:
+            self.evict_host(1, ComponentType.MAMBA)
+            slot = host_pool.alloc(1)
+            if slot is None:
+                return False
+        if not self.histate.ssd.read_state(node.hash_value[-1], host_pool, int(slot[0])):
+            host_pool.free(slot)
+            return False
+        data = node.component_data[ComponentType.MAMBA]
+        data.host_value = slot.clone()
+        host_lru = self.tree_core.host_lru_lists[ComponentType.MAMBA]
+        if data.value is None and not host_lru.in_list(node):
+            host_lru.insert_mru(node)
+        self.tree_core._update_evictable_leaf_sets(node)
+        return True
+
+    # --- adaptive interval control ------------------------------------------------------------------
+
+    def plan_checkpoints(self, reused_tokens: int, input_tokens: int) -> list[int]:
+        return self.histate.plan_checkpoints(reused_tokens, input_tokens)
+
+
+def histate_cache_factory(ctx: Any) -> Any:
+    """Radix-cache backend "histate": SGLang's unified cache construction with HiState's parts."""
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    from .cli_hooks import config_of
+
+    config = config_of(ctx.server_args)
+    if not ctx.is_hybrid_ssm:
+        raise HiStateConfigError(
+            "--enable-histate (--radix-cache-backend histate) needs a hybrid model with recurrent "
+            "(Mamba / Gated-DeltaNet) layers; this model has none. Drop --enable-histate.")
+    if ctx.is_hybrid_swa:
+        raise HiStateConfigError("--enable-histate does not support models with sliding-window layers yet.")
+    install_host_policy()
+    from .chunking import install_chunk_planning
+
+    install_chunk_planning()
+    with histate_build_scope(config):
+        cache = create_unified_radix_cache(ctx, cache_class=HiStateRadixCache)
+    logger.info("HiState tree cache ready: %s", config.describe())
+    return cache

@@ -1,0 +1,191 @@
+"""Builders for SGLang's real FULL + MAMBA pools and unified radix caches on device="cpu".
+
+Follows SGLang's public constructors (research/sglang-0.5.23.md §5.2): a published ServerArgs
+(MambaComponent reads the checkpoint grid through the runtime context), HybridReqToTokenPool
+(with its MambaPool), HybridLinearKVPool, a paged token allocator, CacheInitParams, the cache.
+Also a small request driver (`Driver`) that does what SGLang's scheduler does to the cache for
+one request: match, lock, insert at each checkpoint position, re-adopt the tree's indices,
+unlock, evicting on allocation failure the way SGLang's allocators do.
+"""
+from __future__ import annotations
+
+import types
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+PAGE = 16  # tokens per page; the checkpoint grid is lcm(page, chunk) = 16 in these tests
+FULL_LAYERS = (1, 3)
+MAMBA_LAYERS = [0, 2]
+
+
+def publish_server_args(page_size: int = PAGE, chunk_tokens: int = PAGE, **fields: Any) -> Any:
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    server_args = ServerArgs(model_path="dummy", page_size=page_size, **fields)
+    server_args._mamba_cache_chunk_size = chunk_tokens  # a dummy model has no HF config to read it from
+    set_global_server_args_for_scheduler(server_args)
+    return server_args
+
+
+@dataclass
+class Pools:
+    req_to_token_pool: Any
+    kvcache: Any
+    allocator: Any
+    page_size: int
+
+    @property
+    def mamba_allocator(self) -> Any:
+        return self.req_to_token_pool.mamba_allocator
+
+    @property
+    def mamba_pool(self) -> Any:
+        return self.req_to_token_pool.mamba_pool
+
+
+def build_pools(kv_tokens: int, mamba_slots: int, page_size: int = PAGE, max_reqs: int = 8,
+                max_context: int = 8192) -> Pools:
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
+                                        head_dim=8, state_size=4, conv_kernel=4)
+        cache_params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
+    req_to_token_pool = HybridReqToTokenPool(
+        size=max_reqs, mamba_size=mamba_slots, mamba_spec_state_size=max_reqs, max_context_len=max_context,
+        device="cpu", enable_memory_saver=False, cache_params=cache_params, mamba_layer_ids=MAMBA_LAYERS,
+        enable_mamba_extra_buffer=page_size > 1)
+    kvcache = HybridLinearKVPool(
+        size=kv_tokens, dtype=torch.bfloat16, page_size=page_size, head_num=1, head_dim=4,
+        full_attention_layer_ids=list(FULL_LAYERS), device="cpu", enable_memory_saver=False,
+        mamba_pool=req_to_token_pool.mamba_pool)
+    allocator = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16,
+                                            device="cpu", kvcache=kvcache, need_sort=False)
+    return Pools(req_to_token_pool, kvcache, allocator, page_size)
+
+
+def cache_params(pools: Pools, tree_core: str = "python", enable_metrics: bool = False) -> Any:
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    return CacheInitParams(
+        disable=False, req_to_token_pool=pools.req_to_token_pool, token_to_kv_pool_allocator=pools.allocator,
+        page_size=pools.page_size, tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+        enable_mamba_extra_buffer=pools.page_size > 1, tree_core_backend=tree_core, enable_metrics=enable_metrics)
+
+
+def build_cache(kind: str, pools: Pools, **histate_kwargs: Any) -> Any:
+    """kind: 'histate' (HiStateRadixCache) or 'stock' (SGLang's UnifiedRadixCache, Python core)."""
+    params = cache_params(pools)
+    if kind == "stock":
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        return UnifiedRadixCache(params)
+    from histate.sglang_plugin.tree_cache import HiStateRadixCache
+
+    return HiStateRadixCache(params, **histate_kwargs)
+
+
+def key(tokens: list[int]) -> Any:
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", tokens))
+
+
+class ManualClock:
+    """A logical clock in seconds: tests set `now` before each operation."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class RequestOutcome:
+    reused_tokens: int
+    kv_hit_tokens: int
+    checkpoints: list = field(default_factory=list)
+
+
+class Driver:
+    """One request at a time through a cache, as SGLang's scheduler drives it (see module doc)."""
+
+    def __init__(self, cache: Any, pools: Pools):
+        self.cache = cache
+        self.pools = pools
+        self.num_requests = 0
+
+    def match(self, tokens: list[int], req: Any = None) -> Any:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        return self.cache.match_prefix(MatchPrefixParams(key=key(tokens), req=req))
+
+    def _alloc_kv(self, num_tokens: int) -> torch.Tensor:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        if num_tokens == 0:
+            return torch.empty((0,), dtype=torch.int64)
+        indices = self.pools.allocator.alloc(num_tokens)
+        if indices is None:
+            shortfall = num_tokens - self.pools.allocator.available_size()
+            self.cache.evict_for_alloc(EvictParams(num_tokens=shortfall))
+            indices = self.pools.allocator.alloc(num_tokens)
+        assert indices is not None, f"cannot allocate {num_tokens} KV tokens"
+        return indices.to(torch.int64)
+
+    def _alloc_state(self) -> torch.Tensor:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        slot = self.pools.mamba_allocator.alloc(1)
+        if slot is None:
+            self.cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+            slot = self.pools.mamba_allocator.alloc(1)
+        assert slot is not None, "cannot allocate a state slot"
+        return slot.view(-1)
+
+    def serve(self, tokens: list[int], checkpoints: Optional[list[int]] = None,
+              plan: Optional[Callable[[int, int], list[int]]] = None,
+              state_fill: Optional[Callable[[int], float]] = None) -> RequestOutcome:
+        """Match `tokens`, then insert a checkpoint at every position of `checkpoints` (token
+        counts, page-aligned) or of `plan(reused, len)`; the last page-aligned position is the
+        terminal state. `state_fill(position)` writes a recognisable value into each state."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        self.num_requests += 1
+        req = types.SimpleNamespace(rid=f"r{self.num_requests}", session=None)
+        result = self.match(tokens, req=req)
+        reused = result.device_prefix_len + result.host_hit_length
+        lock = self.cache.lock(result.last_device_node)
+        positions = checkpoints if checkpoints is not None else plan(reused, len(tokens))
+        owned = self.cache.tree_core.collect_full_device_indices(
+            result.last_device_node, self.cache.tree_core.root_node.id) if result.device_prefix_len else \
+            torch.empty((0,), dtype=torch.int64)
+        owned = owned[:result.device_prefix_len]
+        done = []
+        for pos in sorted(p for p in set(positions) if reused < p <= len(tokens)):
+            fresh = self._alloc_kv(pos - len(owned))
+            value = torch.cat([owned.to(torch.int64), fresh])
+            slot = self._alloc_state()
+            if state_fill is not None:
+                self.pools.mamba_pool.mamba_cache.temporal[:, slot] = state_fill(pos)
+            res = self.cache.insert(InsertParams(key=key(tokens[:pos]), value=value, mamba_value=slot,
+                                                 prev_prefix_len=len(owned)))
+            if res.mamba_exist:
+                self.pools.mamba_allocator.free(slot)
+            again = self.match(tokens[:pos])
+            assert again.device_prefix_len == pos, (again.device_prefix_len, pos)
+            self.cache.unlock(lock)
+            lock = self.cache.lock(again.last_device_node)
+            owned = self.cache.tree_core.collect_full_device_indices(
+                again.last_device_node, self.cache.tree_core.root_node.id)
+            done.append(pos)
+        self.cache.unlock(lock)
+        return RequestOutcome(reused, result.full_kv_hit_length, done)

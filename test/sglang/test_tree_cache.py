@@ -1,0 +1,210 @@
+"""HiState's tree cache on SGLang's real pools (device="cpu"): factory, invariants, Figure 7."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from histate.core import UnitKind, make_policy
+from histate.core.policies.histate import HiStateLruDisk
+from histate.sglang_plugin.config import HiStateConfigError
+from histate.sglang_plugin.node_view import depth_tokens, has_device_state
+
+from ._urc_fixtures import PAGE, Driver, ManualClock, build_cache, build_pools, cache_params, key, publish_server_args
+
+
+@pytest.fixture
+def sglang_cpu(sglang_plugins):
+    return publish_server_args()
+
+
+def _tree_ctx(server_args, params, *, hybrid_ssm=True):
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    return TreeCacheBuildContext(server_args=server_args, params=params, is_hybrid_swa=False,
+                                 is_hybrid_ssm=hybrid_ssm, enable_hierarchical_cache=False,
+                                 disable_radix_cache=False, tp_worker=None, model_config=None,
+                                 tp_size=1, tp_rank=0, tp_group=None)
+
+
+def test_sglang_factory_returns_histate_cache(sglang_plugins):
+    """SGLang's own create_tree_cache() routes --radix-cache-backend histate to our factory."""
+    from sglang.srt.mem_cache.registry import create_tree_cache
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    from histate.sglang_plugin.components import HiStateFullComponent, HiStateMambaComponent
+    from histate.sglang_plugin.tree_cache import HiStateRadixCache
+    from histate.sglang_plugin.tree_core import HiStateTreeCore
+
+    server_args = publish_server_args(radix_cache_backend="histate")
+    pools = build_pools(1024, 8)
+    cache = create_tree_cache(_tree_ctx(server_args, cache_params(pools, tree_core="rust")))
+    assert type(cache) is HiStateRadixCache
+    assert type(cache.tree_core) is HiStateTreeCore  # our registered tree core, not Rust
+    assert type(cache.components[ComponentType.MAMBA]) is HiStateMambaComponent
+    assert type(cache.components[ComponentType.FULL]) is HiStateFullComponent
+    with pytest.raises(HiStateConfigError, match="needs a hybrid model"):
+        create_tree_cache(_tree_ctx(server_args, cache_params(build_pools(1024, 8)), hybrid_ssm=False))
+
+
+def _slot_conservation(cache, pools, kv_tokens, mamba_slots):
+    """H1: every KV token and state slot is either free or held by exactly one tree node."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    kv_in_tree = states_in_tree = 0
+    for node in cache.tree_core._node_arena.values():
+        if node.parent is None:
+            continue
+        kv = node.component_data[ComponentType.FULL].value
+        kv_in_tree += 0 if kv is None else len(kv)
+        states_in_tree += has_device_state(node)
+    assert pools.allocator.available_size() + kv_in_tree == kv_tokens
+    assert pools.mamba_allocator.available_size() + states_in_tree == mamba_slots
+
+
+def _assert_restorable(cache, tokens):
+    """H2: a reported reuse ends exactly at a node that holds a device state."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    result = cache.match_prefix(MatchPrefixParams(key=key(tokens)))
+    node = cache.tree_core.node_by_id(result.last_device_node)
+    if result.device_prefix_len:
+        assert depth_tokens(node) == result.device_prefix_len
+        assert has_device_state(node)
+    return result.device_prefix_len
+
+
+@pytest.mark.parametrize("kind", ["histate", "stock"])
+def test_random_request_sequences_keep_sglang_and_histate_invariants(sglang_cpu, kind):
+    """Seeded agent-like traffic (appends, truncations, forks) under pressure on tiny pools."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+
+    rng = random.Random(7)
+    kv_tokens, mamba_slots = 96 * PAGE, 10
+    pools = build_pools(kv_tokens, mamba_slots)
+    clock = ManualClock()
+    cache = build_cache(kind, pools, **({"clock": clock} if kind == "histate" else {}))
+    driver = Driver(cache, pools)
+    sessions = [[] for _ in range(4)]
+    next_token = [10_000]
+    reused_total = 0
+
+    def fresh(num_pages):
+        out = list(range(next_token[0], next_token[0] + num_pages * PAGE))
+        next_token[0] += num_pages * PAGE
+        return out
+
+    for step in range(60):
+        clock.now = float(step)
+        s = rng.randrange(len(sessions))
+        ctx = sessions[s]
+        op = rng.random()
+        if ctx and op < 0.2:  # rewind/edit: cut inside an earlier turn, then append
+            ctx = ctx[: rng.randrange(1, len(ctx) // PAGE + 1) * PAGE]
+        if len(ctx) > 40 * PAGE:  # a new session replaces a long one
+            ctx = []
+        ctx = ctx + fresh(rng.randrange(1, 6))
+        sessions[s] = ctx
+        plan = cache.plan_checkpoints if kind == "histate" else (lambda c, n: [n])
+        outcome = driver.serve(ctx, plan=plan)
+        cache.sanity_check()
+        _slot_conservation(cache, pools, kv_tokens, mamba_slots)
+        assert _assert_restorable(cache, ctx) >= 0
+        if kind == "histate":
+            cache.histate.ranker.check_offered()
+        if step % 7 == 3:  # a state request with one session pinned, as a running request would
+            locked = cache.match_prefix(MatchPrefixParams(key=key(ctx)))
+            lock = cache.lock(locked.last_device_node)
+            cache.evict(EvictParams(num_tokens=4 * PAGE, mamba_num=2))
+            assert _assert_restorable(cache, ctx) == locked.device_prefix_len  # H3: pins hold
+            cache.unlock(lock)
+            cache.sanity_check()
+            _slot_conservation(cache, pools, kv_tokens, mamba_slots)
+        assert outcome.reused_tokens % PAGE == 0
+        reused_total += outcome.reused_tokens
+    assert reused_total > 0  # the trace does hit
+    if kind == "histate":  # ... and the pools are small enough that both unit kinds get evicted
+        totals = cache.histate.metrics.totals
+        assert totals[("evictions_total", "checkpoint")] > 0 and totals[("evictions_total", "bundle")] > 0
+    cache.evict(EvictParams(num_tokens=kv_tokens, mamba_num=mamba_slots))
+    cache.sanity_check()
+    assert pools.allocator.available_size() == kv_tokens
+    assert pools.mamba_allocator.available_size() == mamba_slots
+
+
+def test_each_eviction_takes_the_lowest_score(sglang_cpu):
+    """The lazy heaps pick exactly the minimum of eq. 7 over all current units (brute force)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    rng = random.Random(3)
+    pools = build_pools(400 * PAGE, 40)
+    clock = ManualClock()
+    cache = build_cache("histate", pools, clock=clock)
+    driver = Driver(cache, pools)
+    for i in range(12):
+        clock.now = 1.0 + i
+        base = list(range(100_000 * (i % 4), 100_000 * (i % 4) + rng.randrange(4, 20) * PAGE))
+        driver.serve(base, plan=lambda c, n: sorted({p for p in range(c + 3 * PAGE, n, 3 * PAGE)} | {n}))
+    ranker = cache.histate.ranker
+    for t in range(10):
+        clock.now = 100.0 + t
+        ranker.begin_walk()
+        units = [(ranker.score(n, u), n.id, u) for n in cache.tree_core._node_arena.values()
+                 if (u := ranker.unit_of(n)) is not None and (u is UnitKind.CHECKPOINT or has_device_state(n))]
+        expected = min(units)
+        before = {n.id for n in cache.tree_core._node_arena.values() if has_device_state(n)}
+        cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+        after = {n.id for n in cache.tree_core._node_arena.values() if has_device_state(n)}
+        assert before - after == {expected[1]}, (expected, before - after)
+        cache.sanity_check()
+
+
+# --- Figure 7 (paper §3.3): one checkpoint slot to free -----------------------------------------
+
+B = list(range(1_000, 1_000 + 80 * PAGE))
+C = list(range(50_000, 50_000 + 30 * PAGE))
+STATES = {"S1": B[:40 * PAGE], "S2": B[:44 * PAGE], "S3": B, "S6": C}
+
+
+class LruRefreshAll(HiStateLruDisk):
+    name = "lru-refresh-all"
+    refresh_all = True
+
+
+def _figure7(kind, policy=None):
+    pools = build_pools(130 * PAGE, 8)
+    clock = ManualClock()
+    cache = build_cache(kind, pools, **({"clock": clock, "policy": policy} if kind == "histate" else {}))
+    driver = Driver(cache, pools)
+    for now, tokens in ((1.0, STATES["S1"]), (2.0, STATES["S2"]), (3.0, STATES["S3"]), (4.0, STATES["S6"])):
+        clock.now = now
+        driver.serve(tokens, [len(tokens)])
+    clock.now = 10.0
+    driver.serve(B, [])  # B appends again: a hit at S3 (C waits for a tool result)
+    return cache, clock
+
+
+@pytest.mark.parametrize("kind, policy, evicted", [
+    ("histate", make_policy("histate"), "S2"),
+    ("histate", make_policy("histate-lru-disk"), "S1"),
+    ("histate", LruRefreshAll(), "S6"),
+    ("stock", None, "S1"),
+], ids=["histate", "lru", "lru-refresh-all", "sglang-stock"])
+def test_figure7_decisions(sglang_cpu, kind, policy, evicted):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+
+    cache, clock = _figure7(kind, policy)
+    clock.now = 11.0
+    result = cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+    assert result.mamba_num_evicted == 1
+    cache.sanity_check()
+    surviving = {name for name, tokens in STATES.items()
+                 if cache.match_prefix(MatchPrefixParams(key=key(tokens))).device_prefix_len == len(tokens)}
+    assert surviving == set(STATES) - {evicted}
+    if evicted == "S2":  # sparsified, not lost: a fork at S2 resumes from S1
+        fork = cache.match_prefix(MatchPrefixParams(key=key(STATES["S2"] + [7] * PAGE)))
+        assert (fork.full_kv_hit_length, fork.device_prefix_len) == (44 * PAGE, 40 * PAGE)
+    if kind == "histate":
+        unit = "bundle" if evicted == "S6" else "checkpoint"
+        assert cache.histate.metrics.totals[("evictions_total", unit)] == 1
