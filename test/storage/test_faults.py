@@ -173,7 +173,7 @@ def test_nixl_transfer_error_is_a_miss(make_store, monkeypatch, backend):
     def broken(*_a, **_k):
         raise nixlBackendError("NIXL_ERR_BACKEND")
 
-    for sess in store._sessions:
+    for sess in [store._inline_session, *store._sessions]:
         monkeypatch.setattr(sess.agent, "transfer", broken)
     _expect_miss(store, events, Fault.IO_ERROR)
     assert store.put("during-outage", np.ones(100, np.uint8)).fault is Fault.IO_ERROR

@@ -40,6 +40,7 @@ from histate.storage.transfer import PipelineConfig, read_object, write_object
 
 log = logging.getLogger(__name__)
 
+_READ_ATTEMPTS = 3  # a get that loses the race with a replacing put retries on the new file
 CapacityCallback = Callable[[int], Iterable[str]]
 EvictCallback = Callable[[EvictionEvent], None]
 
@@ -58,11 +59,11 @@ class _Op:
     cancelled: bool = False
 
 
-def _make_sessions(cfg: StoreConfig) -> tuple[str, list[IoSession]]:
+def _make_sessions(cfg: StoreConfig, count: int) -> tuple[str, list[IoSession]]:
     if cfg.backend in ("auto", "nixl"):
         sessions: list[IoSession] = []
         try:
-            for _ in range(cfg.num_workers):
+            for _ in range(count):
                 sessions.append(NixlSession(cfg.nixl_params, preallocate=cfg.preallocate))
             return "nixl", sessions
         except NixlUnavailable as exc:
@@ -71,7 +72,7 @@ def _make_sessions(cfg: StoreConfig) -> tuple[str, list[IoSession]]:
             if cfg.backend == "nixl":
                 raise
             log.warning("histate.storage: NIXL unavailable (%s); using the plain-file backend", exc)
-    return "file", [FileSession(cfg.file_io_threads, preallocate=cfg.preallocate) for _ in range(cfg.num_workers)]
+    return "file", [FileSession(cfg.file_io_threads, preallocate=cfg.preallocate) for _ in range(count)]
 
 
 class CheckpointStore:
@@ -111,10 +112,12 @@ class CheckpointStore:
         self.stats.rebuild_kept, self.stats.rebuild_discarded = report.kept, report.discarded
         self.rebuild_report = report
         try:
-            self.backend_name, self._sessions = _make_sessions(config)
+            self.backend_name, sessions = _make_sessions(config, config.num_workers + 1)
         except BaseException:
             self._release_locks()
             raise
+        self._inline_session, self._sessions = sessions[0], sessions[1:]
+        self._inline_lock = threading.Lock()
         self._workers = [threading.Thread(target=self._worker, args=(s,), name=f"histate-store-{i}", daemon=True)
                          for i, s in enumerate(self._sessions)]
         for t in self._workers:
@@ -123,22 +126,18 @@ class CheckpointStore:
     # --- public API ----------------------------------------------------------------------------
     def submit_put(self, items: Sequence[tuple[str, object]]) -> IoBatch[PutResult]:
         """Queue writes of (key, array/tensor/buffer). Buffers are borrowed until the batch completes."""
-        prepared = []
-        for key, data in items:
-            key = validate_key(key)
-            src, dtype_name, shape = source_view(data)
-            prepared.append((key, src, dtype_name, shape,
-                             file_bytes_for(key, dtype_name, len(shape), src.size, self.config.chunk_bytes)))
+        prepared = [self._prepare_put(key, data) for key, data in items]  # bad input raises before any I/O
         batch: IoBatch[PutResult] = IoBatch(len(prepared))
-        for slot, (key, src, dtype_name, shape, file_bytes) in enumerate(prepared):
-            op = _Op(True, key, batch, slot, src=src, dtype_name=dtype_name, shape=shape)
-            fault = self._admit_write(op, file_bytes)
-            if fault is not None:
-                with self._lock:
-                    self.stats.puts += 1
-                    self.stats.count(self.stats.put_failures, fault)
-                batch._complete(slot, PutResult(key, fault))
+        for slot, (op_args, file_bytes) in enumerate(prepared):
+            op = _Op(True, batch=batch, slot=slot, **op_args)
+            self._admit_write(op, file_bytes, inline=False)
         return batch
+
+    def _prepare_put(self, key: str, data: object) -> tuple[dict, int]:
+        key = validate_key(key)
+        src, dtype_name, shape = source_view(data)
+        file_bytes = file_bytes_for(key, dtype_name, len(shape), src.size, self.config.chunk_bytes)
+        return dict(key=key, src=src, dtype_name=dtype_name, shape=shape), file_bytes
 
     def submit_get(self, keys: Sequence[str], out: Sequence[object] | None = None) -> IoBatch[GetResult]:
         """Queue reads. `out[i]`, when given, is a caller buffer of exactly the stored payload size."""
@@ -161,10 +160,40 @@ class CheckpointStore:
         return batch
 
     def put(self, key: str, data: object) -> PutResult:
-        return self.submit_put([(key, data)]).wait()[0]
+        """Synchronous put. Runs in the calling thread (no queue hand-off) when the inline session is
+        free and no queued write could be overtaken; otherwise queues like submit_put and waits."""
+        op_args, file_bytes = self._prepare_put(key, data)
+        batch: IoBatch[PutResult] = IoBatch(1)
+        op = _Op(True, batch=batch, slot=0, **op_args)
+        if self._inline_lock.acquire(blocking=False):
+            try:
+                if self._admit_write(op, file_bytes, inline=True):
+                    self._execute(self._inline_session, op)
+            finally:
+                self._inline_lock.release()
+        else:
+            self._admit_write(op, file_bytes, inline=False)
+        return batch.wait()[0]
 
     def get(self, key: str, out: object = None) -> GetResult:
-        return self.submit_get([key], None if out is None else [out]).wait()[0]
+        """Synchronous get; runs in the calling thread when the inline session is free (reads have
+        priority over queued writes anyway), else queues and waits."""
+        if not self._inline_lock.acquire(blocking=False):
+            return self.submit_get([key], None if out is None else [out]).wait()[0]
+        try:
+            if self._closing:
+                raise RuntimeError("store is closed")
+            key = validate_key(key)
+            if out is not None:
+                with self._lock:
+                    entry = self._index.get(key)
+                if entry is not None:
+                    destination_view(out, entry.header.payload_bytes)  # bad buffers fail here, loudly
+            batch: IoBatch[GetResult] = IoBatch(1)
+            self._execute(self._inline_session, _Op(False, key, batch, 0, out=out))
+            return batch.wait()[0]
+        finally:
+            self._inline_lock.release()
 
     def exists(self, key: str) -> bool:
         with self._lock:
@@ -228,8 +257,9 @@ class CheckpointStore:
             self._work.notify_all()
         for t in self._workers:
             t.join()
-        for s in self._sessions:
-            s.shutdown()
+        with self._inline_lock:  # let a running inline call finish
+            for s in [self._inline_session, *self._sessions]:
+                s.shutdown()
         self._release_locks()
 
     def __enter__(self) -> "CheckpointStore":
@@ -239,7 +269,26 @@ class CheckpointStore:
         self.close()
 
     # --- admission: backlog bound and byte budget ------------------------------------------------
-    def _admit_write(self, op: _Op, file_bytes: int) -> Fault | None:
+    def _admit_write(self, op: _Op, file_bytes: int, inline: bool) -> bool:
+        """Backlog bound + byte budget. Queues the op (or, `inline`, leaves it to the caller to run)
+        and returns True; on refusal completes the op with its fault and returns False. An inline
+        put falls back to the queue when queued writes exist or the key has a put pending."""
+        fault = self._admit(op, file_bytes)
+        if fault is not None:
+            with self._lock:
+                self.stats.puts += 1
+                self.stats.count(self.stats.put_failures, fault)
+            op.batch._complete(op.slot, PutResult(op.key, fault))
+            return False
+        with self._lock:
+            inline = inline and not self._writes and op.key not in self._pending_puts
+            self._pending_puts.setdefault(op.key, []).append(op)
+            if not inline:
+                self._writes.append(op)
+                self._work.notify()
+        return inline
+
+    def _admit(self, op: _Op, file_bytes: int) -> Fault | None:
         payload = op.src.size
         cfg = self.config
         with self._lock:
@@ -267,10 +316,6 @@ class CheckpointStore:
                 self._room.notify_all()
             return Fault.NO_CAPACITY
         op.reserved_bytes = file_bytes
-        with self._lock:
-            self._pending_puts.setdefault(op.key, []).append(op)
-            self._writes.append(op)
-            self._work.notify()
         return None
 
     def _reserve(self, file_bytes: int) -> bool:
@@ -334,13 +379,18 @@ class CheckpointStore:
                     op = self._writes.popleft()
                 else:
                     return
-            try:
-                self._run_write(sess, op) if op.is_write else self._run_read(sess, op)
-            except BaseException:  # a bug must not leave a batch waiting forever
-                log.exception("histate.storage: unexpected error on %r", op.key)
-                if op.batch._results[op.slot] is None:
-                    self._finish_put(op, Fault.IO_ERROR) if op.is_write else \
-                        op.batch._complete(op.slot, GetResult(op.key, Fault.IO_ERROR))
+            self._execute(sess, op)
+
+    def _execute(self, sess: IoSession, op: _Op) -> None:
+        try:
+            self._run_write(sess, op) if op.is_write else self._run_read(sess, op)
+        except Exception:  # a bug must not leave a batch waiting forever
+            log.exception("histate.storage: unexpected error on %r", op.key)
+            if op.batch._results[op.slot] is None:
+                if op.is_write:
+                    self._finish_put(op, Fault.IO_ERROR)
+                else:
+                    op.batch._complete(op.slot, GetResult(op.key, Fault.IO_ERROR))
 
     def _direct_for(self, path: str) -> bool:
         return next(ok for root, ok in self._direct.items() if path.startswith(root + os.sep))
@@ -349,25 +399,35 @@ class CheckpointStore:
         with self._lock:
             entry = self._index.get(op.key)
             self.stats.gets += 1
-        if entry is None:
-            self._finish_get(op, GetResult(op.key, Fault.NOT_FOUND), 0)
-            return
-        header = entry.header
-        if op.out is not None:
-            try:
-                flat = destination_view(op.out, header.payload_bytes)
-            except ValueError:  # replaced by an object of another size since submit
+        for _attempt in range(_READ_ATTEMPTS):
+            if entry is None:
                 self._finish_get(op, GetResult(op.key, Fault.NOT_FOUND), 0)
                 return
-        else:
-            flat = aligned_empty(header.payload_bytes)
-        try:
-            read_object(sess, entry.path, header, flat, self._direct_for(entry.path), self._pipe)
-        except IoFault as fault:
-            self._read_fault(entry, fault)
-            self._finish_get(op, GetResult(op.key, fault.fault), 0)
+            header = entry.header
+            if op.out is not None:
+                try:
+                    flat = destination_view(op.out, header.payload_bytes)
+                except ValueError:  # replaced by an object of another size since submit
+                    self._finish_get(op, GetResult(op.key, Fault.NOT_FOUND), 0)
+                    return
+            else:
+                flat = aligned_empty(header.payload_bytes)
+            try:
+                read_object(sess, entry.path, header, flat, self._direct_for(entry.path), self._pipe)
+            except IoFault as fault:
+                with self._lock:
+                    current = self._index.get(op.key)
+                if current is not None and current.generation != entry.generation:
+                    entry = current  # a put replaced the file under us: read the new one, not a fault
+                    continue
+                if current is not None:
+                    self._read_fault(entry, fault)
+                self._finish_get(op, GetResult(op.key, fault.fault if current is not None else Fault.NOT_FOUND), 0)
+                return
+            self._finish_get(op, GetResult(op.key, None, flat, header.dtype_name, header.shape),
+                             header.payload_bytes)
             return
-        self._finish_get(op, GetResult(op.key, None, flat, header.dtype_name, header.shape), header.payload_bytes)
+        self._finish_get(op, GetResult(op.key, Fault.NOT_FOUND), 0)  # replaced on every attempt
 
     def _read_fault(self, entry: Entry, fault: IoFault) -> None:
         log.info("histate.storage: miss on %r: %s", entry.key, fault)
