@@ -1,0 +1,497 @@
+"""Discrete-event model of one GPU serving requests: restores, continuous batching, chunked prefill.
+
+Owns simulated time on the device side. The replay driver submits requests at their arrival and
+background data movements (offload, checkpoint writes) when the cache decides them; the engine
+advances step by step and reports, per request, the time of its first output token (TTFT =
+restore + queueing + recompute, including head-of-line blocking behind other prefills) and of its
+last one.
+
+Driver contract (times in seconds, monotone):
+
+    engine.submit(EngineRequest(...), now_s)          # cache.begin_request(...) just before
+    events = engine.advance_until(t_s)
+    # -> the events of the earliest time tau <= t_s at which any occur (engine.now_s = tau),
+    #    or [] with engine.now_s = t_s when none occur before t_s.
+    for ev in events:
+        if ev.kind is EventKind.FIRST_TOKEN: cache.finish_request(...)     # prefill complete
+        if ev.kind is EventKind.FINISHED:    schedule the session's next request
+
+A loop `t = next arrival; events = advance_until(t); handle events or, when empty, submit the
+arrival` therefore interleaves cache operations with device time in the right order. A step that
+starts before t_s may end after it; its events come out of a later call, and requests submitted
+meanwhile wait for the next step (they cannot join a step already running).
+
+Model:
+* Restore. The request's KV and checkpoint bytes on CPU cross the H2D link; bytes on SSD are read
+  by the SSD and then cross H2D too (paper eq. 2 per item). Links are FIFO servers; the CPU part of
+  a restore overlaps the SSD read of its other part. Background transfers (`submit_transfer`) use
+  the same links at lower priority, in `io_unit_bytes` units that a restore cannot preempt: a
+  restore waits for at most the unit in flight, so checkpoint and KV writes to SSD slow restores
+  down without starving them.
+* Compute. Continuous batching with a token budget per forward step (`token_budget_per_step`:
+  SGLang's `--chunked-prefill-size`, 8192 on H100/H200, sglang/srt/arg_groups/memory_hook.py).
+  `mixed_batches=True` (vLLM V1; SGLang `--enable-mixed-chunk`): every running decode contributes
+  one token, the rest of the budget goes to waiting prefills in FIFO order (the last one chunked).
+  `mixed_batches=False` (SGLang's default): prefill steps run alone and decode waits. The first
+  output token is sampled at the end of the step that finishes the prefill. At least one token
+  is always computed (a full hit still runs the last token to get logits).
+* Decode-only stretches are fast-forwarded in closed form (step time is linear in the step index
+  while the batch is fixed), so a replay costs O(prefill steps + requests), not O(output tokens).
+"""
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Optional
+
+from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, PrefillChunk, RooflineStepCost
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    token_budget_per_step: int = 8192     # chunked prefill size / max batched tokens per step
+    mixed_batches: bool = True            # decode tokens and prefill chunks share a step
+    max_running_requests: int = 256       # prefilling + decoding (SGLang/vLLM max batch; rarely binding)
+    io_unit_bytes: int = 64 * 2**20       # background transfer granularity (non-preemptible)
+
+    def __post_init__(self) -> None:
+        if self.token_budget_per_step < 1 or self.max_running_requests < 1 or self.io_unit_bytes < 1:
+            raise ValueError(f"EngineConfig values must be positive: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """What the driver knows about a request once the cache has matched it.
+
+    `context_num_tokens` is the prompt length L; `num_compute_tokens` = L - c (c reused tokens).
+    Restore sizes come from `MatchResult.kv_bytes_by_tier` / `checkpoint_tier` / `checkpoint_size_bytes`
+    (tiers as ints or `histate.core.Tier`; GPU-resident bytes cost nothing).
+    """
+
+    request_id: Hashable
+    num_compute_tokens: int
+    context_num_tokens: int
+    output_num_tokens: int
+    kv_restore_bytes_by_tier: Mapping = field(default_factory=dict)
+    checkpoint_restore_bytes: int = 0
+    checkpoint_tier: Optional[int] = None
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Per-request timeline, filled in as the request progresses (seconds, simulated clock)."""
+
+    request_id: Hashable
+    arrival_s: float
+    restore_done_s: float
+    restore_transfer_s: float          # eq. 2 time of its own bytes, without waiting for the links
+    num_compute_tokens: int
+    prefill_start_s: Optional[float] = None
+    first_token_s: Optional[float] = None
+    finish_s: Optional[float] = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def restore_s(self) -> float:
+        """Arrival to data resident on GPU (transfer plus waiting for busy links)."""
+        return self.restore_done_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float:
+        """Data resident to the first step that computes this request."""
+        return self.prefill_start_s - self.restore_done_s
+
+    @property
+    def prefill_s(self) -> float:
+        """First to last prefill step, including steps shared with (or waiting behind) others."""
+        return self.first_token_s - self.prefill_start_s
+
+
+class EventKind(enum.Enum):
+    FIRST_TOKEN = "first_token"   # prefill complete: the cache can insert the prompt's pages
+    FINISHED = "finished"         # last output token produced
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    kind: EventKind
+    time_s: float
+    request_id: Hashable
+    timing: RequestTiming
+
+
+@dataclass(slots=True)
+class ChannelStats:
+    foreground_bytes: float = 0.0
+    foreground_busy_s: float = 0.0
+    background_bytes: float = 0.0
+    background_busy_s: float = 0.0
+    foreground_wait_s: float = 0.0       # waiting for earlier work (foreground or a background unit)
+    waited_on_background_s: float = 0.0  # part of that wait caused by background units in flight
+    max_backlog_s: float = 0.0
+
+
+class Channel:
+    """A link (H2D, D2H) or device (SSD) serving foreground work FIFO and background work in the gaps.
+
+    Background work runs whenever no foreground work is queued, in units of `unit_s` seconds that
+    foreground work cannot preempt. Computed lazily in O(1) per call; no events are scheduled.
+    """
+
+    __slots__ = ("name", "unit_s", "_free_at", "_backlog_s", "stats")
+
+    def __init__(self, name: str, unit_s: float) -> None:
+        self.name, self.unit_s = name, unit_s
+        self._free_at = 0.0      # end of committed work; background (if any) drains from here on
+        self._backlog_s = 0.0
+        self.stats = ChannelStats()
+
+    def _drain(self, t: float) -> None:
+        """Commit the background work done by `t`, including the unit in flight at `t`."""
+        if self._backlog_s <= 0 or t <= self._free_at:
+            return
+        elapsed = t - self._free_at
+        if elapsed >= self._backlog_s:
+            self._free_at += self._backlog_s
+            self._backlog_s = 0.0
+            return
+        committed = min(self._backlog_s, math.ceil(elapsed / self.unit_s) * self.unit_s)
+        self._free_at += committed
+        self._backlog_s -= committed
+
+    def reserve(self, duration_s: float, size_bytes: float, t: float) -> float:
+        """Foreground work arriving at `t`; returns its completion time."""
+        if duration_s <= 0:
+            return t
+        before = self._free_at
+        self._drain(t)
+        start = max(t, self._free_at)
+        self.stats.foreground_wait_s += start - t
+        self.stats.waited_on_background_s += max(0.0, min(start, self._free_at) - max(t, before))
+        self._free_at = start + duration_s
+        self.stats.foreground_bytes += size_bytes
+        self.stats.foreground_busy_s += duration_s
+        return self._free_at
+
+    def add_background(self, duration_s: float, size_bytes: float, t: float) -> None:
+        if duration_s <= 0:
+            return
+        self._drain(t)
+        if self._backlog_s <= 0 and self._free_at < t:
+            self._free_at = t       # idle link: background starts now
+        self._backlog_s += duration_s
+        self.stats.background_bytes += size_bytes
+        self.stats.background_busy_s += duration_s
+        self.stats.max_backlog_s = max(self.stats.max_backlog_s, self._backlog_s)
+
+    def backlog_s(self, t: float) -> float:
+        """Background seconds still queued at `t` (committed units in flight excluded)."""
+        self._drain(t)
+        return self._backlog_s
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0               # steps with at least one prefill chunk
+    decode_only_steps: int = 0
+    busy_s: float = 0.0                  # GPU time spent in steps
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests_submitted: int = 0
+    requests_finished: int = 0
+
+
+class _Active:
+    """One request inside the engine."""
+
+    __slots__ = ("req", "timing", "remaining", "context", "decode_left", "started")
+
+    def __init__(self, req: EngineRequest, timing: RequestTiming) -> None:
+        self.req, self.timing = req, timing
+        self.remaining = timing.num_compute_tokens
+        self.context = req.context_num_tokens - timing.num_compute_tokens   # tokens already in KV
+        self.decode_left = 0
+        self.started = False
+
+
+class Engine:
+    """One GPU (module docstring). Not thread-safe; one driver owns it."""
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, config: EngineConfig = EngineConfig(),
+                 step_cost: Optional[RooflineStepCost] = None) -> None:
+        self.model, self.hardware, self.config = model, hardware, config
+        self.cost = step_cost if step_cost is not None else RooflineStepCost(model, hardware)
+        unit = config.io_unit_bytes
+        self.h2d = Channel("h2d", unit / hardware.h2d_bandwidth_bytes_per_s)
+        self.d2h = Channel("d2h", unit / hardware.d2h_bandwidth_bytes_per_s)
+        self.ssd = Channel("ssd", unit / hardware.ssd_write_bandwidth_bytes_per_s)
+        self.stats = EngineStats()
+        self._now = 0.0
+        self._gpu_free = 0.0           # end of the last committed step
+        self._seq = 0
+        self._restoring: list = []     # heap of (ready_s, seq, _Active)
+        self._prefill: deque = deque() # restored requests, FIFO; the head may be partly prefilled
+        self._decoding: list = []      # _Active in decode
+        self._decode_context_sum = 0
+        self._num_running = 0          # started prefills + decodes
+        self._pending: list = []       # events of the last committed step, not yet returned
+        self._pending_time = math.inf
+
+    # ---------------------------------------------------------------------------- driver API
+    @property
+    def now_s(self) -> float:
+        return self._now
+
+    def submit(self, req: EngineRequest, now_s: float) -> RequestTiming:
+        """A request arrives at `now_s` with its cache match; its restore starts immediately.
+
+        Call `advance_until(now_s)` first (events before `now_s` would otherwise come out late)."""
+        self._check_time(now_s)
+        hw = self.hardware
+        if req.num_compute_tokens < 0 or req.output_num_tokens < 0 or req.context_num_tokens < 0:
+            raise ValueError(f"negative token count in {req}")
+        if req.num_compute_tokens > req.context_num_tokens:
+            raise ValueError(f"num_compute_tokens exceeds context_num_tokens in {req}")
+        n = max(1, req.num_compute_tokens)
+        if n > req.context_num_tokens:    # empty prompt: one token still runs
+            req = EngineRequest(req.request_id, n, n, req.output_num_tokens)
+        cpu_bytes = ssd_bytes = 0
+        for tier, size in req.kv_restore_bytes_by_tier.items():
+            if size < 0:
+                raise ValueError(f"negative restore size in {req}")
+            if tier == CPU_TIER:
+                cpu_bytes += size
+            elif tier == SSD_TIER:
+                ssd_bytes += size
+            elif tier != GPU_TIER:
+                raise ValueError(f"unknown tier {tier!r} in {req}")
+        if req.checkpoint_tier == CPU_TIER:
+            cpu_bytes += req.checkpoint_restore_bytes
+        elif req.checkpoint_tier == SSD_TIER:
+            ssd_bytes += req.checkpoint_restore_bytes
+        h2d_bw, ssd_bw = hw.h2d_bandwidth_bytes_per_s, hw.ssd_read_bandwidth_bytes_per_s
+        ssd_end = self.ssd.reserve(ssd_bytes / ssd_bw, ssd_bytes, now_s)
+        h2d_end = self.h2d.reserve((cpu_bytes + ssd_bytes) / h2d_bw, cpu_bytes + ssd_bytes, now_s)
+        ready = max(h2d_end, ssd_end + ssd_bytes / h2d_bw) if (cpu_bytes or ssd_bytes) else now_s
+        transfer_s = max((cpu_bytes + ssd_bytes) / h2d_bw, ssd_bytes / ssd_bw + ssd_bytes / h2d_bw)
+        timing = RequestTiming(req.request_id, now_s, ready, transfer_s, n)
+        active = _Active(req, timing)
+        self._seq += 1
+        heapq.heappush(self._restoring, (ready, self._seq, active))
+        self.stats.requests_submitted += 1
+        return timing
+
+    def submit_transfer(self, size_bytes: float, src_tier: Optional[int], dst_tier: Optional[int],
+                        now_s: float) -> None:
+        """A background data movement decided by the cache (a `TierOp`): offload, write-through,
+        checkpoint write to SSD, promotion. Not on any request's critical path, but it occupies the
+        links it crosses (GPU->CPU: D2H; ->SSD: SSD write; SSD->: SSD read; ->GPU: H2D)."""
+        self._check_time(now_s)
+        if dst_tier is None or src_tier == dst_tier or size_bytes <= 0:
+            return
+        hw = self.hardware
+        src = GPU_TIER if src_tier is None else src_tier   # a "put" is data just produced on the GPU
+        if src == GPU_TIER:
+            self.d2h.add_background(size_bytes / hw.d2h_bandwidth_bytes_per_s, size_bytes, now_s)
+        if src == SSD_TIER:
+            self.ssd.add_background(size_bytes / hw.ssd_read_bandwidth_bytes_per_s, size_bytes, now_s)
+        if dst_tier == SSD_TIER:
+            self.ssd.add_background(size_bytes / hw.ssd_write_bandwidth_bytes_per_s, size_bytes, now_s)
+        if dst_tier == GPU_TIER:
+            self.h2d.add_background(size_bytes / hw.h2d_bandwidth_bytes_per_s, size_bytes, now_s)
+
+    def advance_until(self, t_s: float) -> list:
+        """Simulate up to `t_s`; return the events of the earliest event time <= t_s (module docstring)."""
+        self._check_time(t_s)
+        while True:
+            if self._pending:
+                if self._pending_time <= t_s:
+                    events, self._pending, self._now = self._pending, [], self._pending_time
+                    self._pending_time = math.inf
+                    return events
+                self._now = t_s
+                return []
+            start = self._next_step_start()
+            if start >= t_s:
+                self._now = t_s
+                return []
+            self._admit_restored(start)
+            if self._has_ready_prefill():
+                self._run_step(start)
+            else:
+                self._fast_forward_decode(start, t_s)
+
+    def next_event_time(self) -> float:
+        """Earliest time the engine's state can change without new submissions (a lower bound on
+        the next event); math.inf when idle. `advance_until` is what returns events."""
+        if self._pending:
+            return self._pending_time
+        return self._next_step_start()
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._restoring or self._prefill or self._decoding)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._restoring) + len(self._prefill) + len(self._decoding)
+
+    # ---------------------------------------------------------------------------- internals
+    def _check_time(self, t: float) -> None:
+        if t < self._now:
+            raise ValueError(f"time went backwards: {t} < engine time {self._now}")
+
+    def _has_ready_prefill(self) -> bool:
+        if not self._prefill:
+            return False
+        return self._prefill[0].started or self._num_running < self.config.max_running_requests
+
+    def _next_step_start(self) -> float:
+        if self._decoding or self._has_ready_prefill():
+            return self._gpu_free
+        if self._restoring:
+            return max(self._gpu_free, self._restoring[0][0])
+        return math.inf
+
+    def _admit_restored(self, start: float) -> None:
+        restoring = self._restoring
+        while restoring and restoring[0][0] <= start:
+            self._prefill.append(heapq.heappop(restoring)[2])
+
+    def _run_step(self, start: float) -> None:
+        """One forward step with at least one prefill chunk (and decode tokens if mixed)."""
+        cfg = self.config
+        budget = cfg.token_budget_per_step
+        decoding = self._decoding if cfg.mixed_batches else []
+        budget -= len(decoding)
+        chunks, members = [], []
+        for active in self._prefill:
+            if budget <= 0:
+                break
+            if not active.started:
+                if self._num_running >= cfg.max_running_requests:
+                    break
+                active.started = True
+                active.timing.prefill_start_s = start
+                self._num_running += 1
+            n = min(active.remaining, budget)
+            chunks.append(PrefillChunk(n, active.context, n == active.remaining))
+            members.append((active, n))
+            budget -= n
+        # chunks may be empty when decodes take the whole budget: then this is one decode-only step.
+        dt = self.cost.step_time_s(chunks, len(decoding), self._decode_context_sum if decoding else 0)
+        end = start + dt
+        self._commit_step_stats(dt, prefill=bool(chunks))
+        events = []
+        for active, n in members:
+            active.remaining -= n
+            active.context += n
+            self.stats.prefill_tokens += n
+        if decoding:
+            events += self._advance_decodes(1, end)
+        while self._prefill and self._prefill[0].remaining == 0:
+            active = self._prefill.popleft()
+            self._first_token(active, end, events)
+        self._gpu_free = end
+        self._emit(events, end)
+
+    def _first_token(self, active: _Active, t: float, events: list) -> None:
+        active.timing.first_token_s = t
+        events.append(EngineEvent(EventKind.FIRST_TOKEN, t, active.req.request_id, active.timing))
+        if active.req.output_num_tokens <= 1:
+            self._finish(active, t, events)
+        else:
+            active.decode_left = active.req.output_num_tokens - 1
+            self._decoding.append(active)
+            self._decode_context_sum += active.context
+
+    def _finish(self, active: _Active, t: float, events: list) -> None:
+        active.timing.finish_s = t
+        self._num_running -= 1
+        self.stats.requests_finished += 1
+        events.append(EngineEvent(EventKind.FINISHED, t, active.req.request_id, active.timing))
+
+    def _advance_decodes(self, num_steps: int, end: float) -> list:
+        """Every decoding request produced `num_steps` tokens; finish those that are done at `end`."""
+        events, still = [], []
+        for active in self._decoding:
+            active.decode_left -= num_steps
+            active.context += num_steps
+            if active.decode_left == 0:
+                self._decode_context_sum -= active.context - num_steps
+                self._finish(active, end, events)
+            else:
+                still.append(active)
+        self._decode_context_sum += num_steps * len(still)
+        self.stats.decode_tokens += num_steps * len(self._decoding)
+        self._decoding = still
+        return events
+
+    def _fast_forward_decode(self, start: float, limit: float) -> None:
+        """Run the decode-only steps that start before `limit` (the caller's target time or the next
+        restore completion), stopping at the first completion. Step j takes o + max(a + b j, c + d j),
+        so the start of step k is start + S(k) with S in closed form (`_cumulative`)."""
+        if self._restoring:
+            limit = min(limit, self._restoring[0][0])   # > start: earlier ones were admitted
+        k_done = min(a.decode_left for a in self._decoding)
+        o, a, b, c, d = self.cost.decode_coefficients(len(self._decoding), self._decode_context_sum)
+        budget = limit - start                          # > 0, so step 0 always runs
+        if _cumulative(o, a, b, c, d, k_done - 1) < budget:
+            k = k_done
+        else:
+            lo, hi = 0, k_done - 1       # S(lo) < budget <= S(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if _cumulative(o, a, b, c, d, mid) < budget:
+                    lo = mid
+                else:
+                    hi = mid
+            k = hi                        # steps 0 .. hi - 1 start before limit
+        duration = _cumulative(o, a, b, c, d, k)
+        end = start + duration
+        self.stats.steps += k
+        self.stats.decode_only_steps += k
+        self.stats.busy_s += duration
+        events = self._advance_decodes(k, end)
+        self._gpu_free = end
+        self._emit(events, end)
+
+    def _commit_step_stats(self, dt: float, prefill: bool) -> None:
+        self.stats.steps += 1
+        self.stats.busy_s += dt
+        if prefill:
+            self.stats.prefill_steps += 1
+        else:
+            self.stats.decode_only_steps += 1
+
+    def _emit(self, events: list, t: float) -> None:
+        if events:
+            self._pending = events
+            self._pending_time = t
+
+
+def _cumulative(o: float, a: float, b: float, c: float, d: float, k: int) -> float:
+    """sum_{j=0}^{k-1} (o + max(a + b j, c + d j)): two lines cross at most once."""
+    if k <= 0:
+        return 0.0
+    hi_first, lo_first = ((a, b), (c, d)) if a >= c else ((c, d), (a, b))
+    # hi_first dominates from j = 0 until the crossing point (if its slope is smaller).
+    if hi_first[1] >= lo_first[1]:
+        m = k
+    else:
+        cross = (hi_first[0] - lo_first[0]) / (lo_first[1] - hi_first[1])
+        m = min(k, max(0, math.ceil(cross)))
+    return o * k + _line_sum(*hi_first, 0, m) + _line_sum(*lo_first, m, k)
+
+
+def _line_sum(a: float, b: float, p: int, q: int) -> float:
+    """sum_{j=p}^{q-1} (a + b j)."""
+    if q <= p:
+        return 0.0
+    return (q - p) * a + b * (q * (q - 1) - p * (p - 1)) / 2

@@ -1,0 +1,212 @@
+"""Engine: exact event times for queueing, head-of-line blocking, restores and background writes.
+
+Most tests use a stub step cost with dyadic constants (1/1024 s per prefill token, 1/128 s per
+decode step), so every expected time is exact in binary floating point.
+"""
+import random
+
+import pytest
+
+from histate.sim.costs import CPU_TIER, GPU_TIER, H100_SXM, QWEN35_9B, SSD_TIER, PrefillChunk, RooflineStepCost
+from histate.sim.engine import Engine, EngineConfig, EngineRequest, EventKind, _cumulative
+
+TOKEN_S = 1 / 1024
+DECODE_S = 1 / 128
+
+
+class StubCost:
+    """Prefill: TOKEN_S per token; a step with decode tokens adds DECODE_S; no overhead."""
+
+    def step_time_s(self, chunks, num_decode=0, decode_context_sum=0):
+        return TOKEN_S * sum(c.num_tokens for c in chunks) + (DECODE_S if num_decode else 0.0)
+
+    def decode_coefficients(self, num_decode, context_sum):
+        return 0.0, DECODE_S, 0.0, 0.0, 0.0
+
+
+def engine(**config):
+    return Engine(QWEN35_9B, H100_SXM, EngineConfig(**config), step_cost=StubCost())
+
+
+def req(rid, n, out=1, ctx=None, **kw):
+    return EngineRequest(rid, n, ctx if ctx is not None else n, out, **kw)
+
+
+def drain(eng, until=float("inf")):
+    """All events up to `until`, as (kind, request id, time)."""
+    out = []
+    while True:
+        events = eng.advance_until(until)
+        if not events:
+            return out
+        out += [(e.kind.name, e.request_id, e.time_s) for e in events]
+
+
+def test_lone_request_chunked_prefill_then_decode():
+    eng = engine(token_budget_per_step=8192)
+    timing = eng.submit(req("a", 16384, out=3), 0.0)
+    assert eng.advance_until(10.0) == [] and eng.now_s == 10.0       # first chunk ends at 8, second at 16
+    assert drain(eng) == [("FIRST_TOKEN", "a", 16.0), ("FINISHED", "a", 16.0 + 2 * DECODE_S)]
+    assert (timing.ttft_s, timing.restore_s, timing.queue_s, timing.prefill_s) == (16.0, 0.0, 0.0, 16.0)
+    assert (eng.stats.prefill_steps, eng.stats.decode_only_steps, eng.stats.prefill_tokens) == (2, 2, 16384)
+    assert not eng.has_work() and eng.next_event_time() == float("inf")
+
+
+def test_head_of_line_blocking_behind_a_long_prefill():
+    eng = engine(token_budget_per_step=8192)
+    eng.submit(req("long", 16384, out=2), 0.0)
+    assert eng.advance_until(1.0) == []
+    short = eng.submit(req("short", 128), 1.0)      # arrives during the first chunk
+    # Step 2 (8..16) is all "long"; step 3 carries long's decode token and short's 128 tokens.
+    end3 = 16.0 + 128 * TOKEN_S + DECODE_S
+    assert drain(eng) == [("FIRST_TOKEN", "long", 16.0), ("FINISHED", "long", end3),
+                          ("FIRST_TOKEN", "short", end3), ("FINISHED", "short", end3)]
+    assert short.ttft_s == end3 - 1.0 and short.queue_s == 15.0 and short.prefill_start_s == 16.0
+
+
+def test_short_request_shares_the_last_chunk_when_budget_remains():
+    eng = engine(token_budget_per_step=8192)
+    eng.submit(req("long", 16000), 0.0)
+    eng.advance_until(1.0)
+    eng.submit(req("short", 100), 1.0)
+    end2 = 8192 * TOKEN_S + (7808 + 100) * TOKEN_S
+    assert drain(eng) == [("FIRST_TOKEN", "long", end2), ("FINISHED", "long", end2),
+                          ("FIRST_TOKEN", "short", end2), ("FINISHED", "short", end2)]
+
+
+def test_a_request_never_joins_a_running_step():
+    eng = engine()
+    eng.submit(req("a", 1024), 0.0)                 # one step: 0 .. 1.0
+    eng.advance_until(0.5)
+    eng.submit(req("b", 64), 0.5)
+    assert drain(eng) == [("FIRST_TOKEN", "a", 1.0), ("FINISHED", "a", 1.0),
+                          ("FIRST_TOKEN", "b", 1.0 + 64 * TOKEN_S), ("FINISHED", "b", 1.0 + 64 * TOKEN_S)]
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_decode_interleaves_with_prefill_only_in_mixed_batches(mixed):
+    eng = engine(token_budget_per_step=8192, mixed_batches=mixed)
+    a = eng.submit(req("a", 128, out=1000), 0.0)    # first token at 0.125, then 1/128 s per token
+    assert drain(eng, 1.0) == [("FIRST_TOKEN", "a", 0.125)]
+    eng.submit(req("b", 16384), 1.0)                # 112 decode steps fit in 0.125 .. 1.0 exactly
+    events = drain(eng)
+    b_first = dict(((k, r), t) for k, r, t in events)[("FIRST_TOKEN", "b")]
+    if mixed:   # each of b's steps also decodes one token of a, and b gets budget 8191
+        assert b_first == 1.0 + 16384 * TOKEN_S + 3 * DECODE_S
+        assert a.finish_s == b_first + (999 - 112 - 3) * DECODE_S
+    else:       # prefill steps run alone: a stalls for 16 s
+        assert b_first == 1.0 + 16.0
+        assert a.finish_s == 17.0 + (999 - 112) * DECODE_S
+    assert a.first_token_s == 0.125
+
+
+def test_max_running_requests_holds_back_new_prefills():
+    eng = engine(max_running_requests=1)
+    a = eng.submit(req("a", 64, out=3), 0.0)
+    b = eng.submit(req("b", 64), 0.0)
+    drain(eng)
+    assert a.finish_s == 64 * TOKEN_S + 2 * DECODE_S
+    assert b.prefill_start_s == a.finish_s and b.first_token_s == a.finish_s + 64 * TOKEN_S
+
+
+# ------------------------------------------------------------------------------------- restores
+def test_restore_follows_eq2_and_overlaps_cpu_with_ssd_reads():
+    eng = engine()
+    kv = 32768 * QWEN35_9B.kv_bytes_per_token
+    ckpt = QWEN35_9B.ssm_state_bytes
+    t = eng.submit(req("a", 64, ctx=32768 + 64, kv_restore_bytes_by_tier={CPU_TIER: kv, GPU_TIER: 10**12},
+                       checkpoint_restore_bytes=ckpt, checkpoint_tier=SSD_TIER), 0.0)
+    cpu_part, ssd_read, ssd_h2d = kv / 64e9, ckpt / 5e9, ckpt / 64e9
+    assert t.restore_done_s == pytest.approx(max(cpu_part + ssd_h2d, ssd_read + ssd_h2d), rel=1e-12)
+    assert t.restore_transfer_s == t.restore_done_s
+    drain(eng)
+    assert t.ttft_s == pytest.approx(t.restore_done_s + 64 * TOKEN_S, rel=1e-12)
+    # A lone checkpoint from SSD: the paper's 10.9 ms (48 MiB SSM state).
+    t2 = engine().submit(req("b", 1, ctx=10, checkpoint_restore_bytes=ckpt, checkpoint_tier=SSD_TIER), 0.0)
+    assert round(t2.restore_done_s * 1e3, 1) == 10.9
+
+
+def test_concurrent_restores_queue_on_the_links():
+    eng = engine()
+    size = 64 * 10**7                                  # 10 ms over H2D at 64 GB/s
+    a = eng.submit(req("a", 1, ctx=2, kv_restore_bytes_by_tier={CPU_TIER: size}), 0.0)
+    b = eng.submit(req("b", 1, ctx=2, kv_restore_bytes_by_tier={CPU_TIER: size}), 0.0)
+    assert a.restore_done_s == pytest.approx(0.01) and b.restore_done_s == pytest.approx(0.02)
+    assert b.restore_transfer_s == pytest.approx(0.01) and b.restore_s == pytest.approx(0.02)
+    assert eng.h2d.stats.foreground_wait_s == pytest.approx(0.01)
+
+
+def test_background_writes_delay_a_restore_by_at_most_the_unit_in_flight():
+    unit = 5 * 10**7                                   # 10 ms of SSD time at 5 GB/s
+    eng = engine(io_unit_bytes=unit)
+    eng.submit_transfer(10 * unit, GPU_TIER, SSD_TIER, 0.0)          # 100 ms of checkpoint writes
+    eng.advance_until(0.015)
+    t = eng.submit(req("r", 1, ctx=2, checkpoint_restore_bytes=unit, checkpoint_tier=SSD_TIER), 0.015)
+    # The second write unit (10..20 ms) finishes, then the read (10 ms), then its H2D hop.
+    assert t.restore_done_s == pytest.approx(0.020 + 0.010 + unit / 64e9, rel=1e-12)
+    assert eng.ssd.stats.waited_on_background_s == pytest.approx(0.005)
+    # Background resumes after the read: 8 units left at 30 ms, done at 110 ms.
+    assert eng.ssd.backlog_s(0.030) == pytest.approx(0.080)
+    assert eng.ssd.backlog_s(0.111) == 0.0
+    assert eng.d2h.stats.background_bytes == 10 * unit and eng.ssd.stats.background_bytes == 10 * unit
+    eng.submit_transfer(unit, CPU_TIER, None, 0.2)                   # a drop moves nothing
+    assert eng.ssd.stats.background_bytes == 10 * unit
+
+
+# ------------------------------------------------------------------------- fast-forward exactness
+def test_fast_forward_matches_step_by_step_roofline():
+    cost = RooflineStepCost(QWEN35_9B, H100_SXM)
+    for probe in (None, 0.3):
+        eng = Engine(QWEN35_9B, H100_SXM, EngineConfig(), step_cost=cost)
+        a = eng.submit(req("a", 1, out=300, ctx=5000), 0.0)
+        b = eng.submit(req("b", 1, out=100, ctx=20000), 0.0)
+        if probe is not None:                       # split the decode run at an arbitrary time
+            assert drain(eng, probe) == [("FIRST_TOKEN", "a", a.first_token_s), ("FIRST_TOKEN", "b", b.first_token_s)]
+            assert eng.now_s == probe
+        drain(eng)
+        t = cost.step_time_s([PrefillChunk(1, 4999, True), PrefillChunk(1, 19999, True)])
+        assert a.first_token_s == b.first_token_s == pytest.approx(t, rel=1e-12)
+        for j in range(99):
+            t += cost.step_time_s([], 2, 25000 + 2 * j)
+        assert b.finish_s == pytest.approx(t, rel=1e-12)
+        for j in range(200):
+            t += cost.step_time_s([], 1, 5099 + j)
+        assert a.finish_s == pytest.approx(t, rel=1e-12)
+        assert eng.stats.decode_tokens == 299 + 99
+
+
+def test_cumulative_sum_of_max_of_two_lines_is_exact():
+    rng = random.Random(7)
+    for _ in range(300):
+        o, a, b, c, d = (rng.uniform(0, 2) for _ in range(5))
+        if rng.random() < 0.5:
+            b = -b / 50
+        k = rng.randint(0, 60)
+        brute = sum(o + max(a + b * j, c + d * j) for j in range(k))
+        assert _cumulative(o, a, b, c, d, k) == pytest.approx(brute, rel=1e-9, abs=1e-12)
+
+
+def test_arrival_during_decode_splits_the_fast_forward_exactly():
+    eng = engine()
+    a = eng.submit(req("a", 128, out=100), 0.0)
+    drain(eng, 0.5)                                   # decode steps start at 0.125 + j / 128
+    eng.submit(req("b", 64), 0.5)                     # arrives exactly at a step boundary (j = 48)
+    events = drain(eng)
+    start_b = 0.125 + 48 * DECODE_S
+    assert ("FIRST_TOKEN", "b", start_b + 64 * TOKEN_S + DECODE_S) in events
+    # a produced 48 tokens before b's step, one inside it, and its last 50 after it.
+    assert a.finish_s == start_b + 64 * TOKEN_S + DECODE_S + 50 * DECODE_S
+
+
+def test_input_validation():
+    eng = engine()
+    eng.advance_until(5.0)
+    with pytest.raises(ValueError, match="backwards"):
+        eng.submit(req("a", 1), 4.0)
+    with pytest.raises(ValueError, match="exceeds"):
+        eng.submit(EngineRequest("b", 10, 5, 1), 5.0)
+    with pytest.raises(ValueError, match="unknown tier"):
+        eng.submit(req("c", 1, kv_restore_bytes_by_tier={7: 1}), 5.0)
+    t = eng.submit(EngineRequest("d", 0, 640, 1), 5.0)   # a full hit still computes one token
+    assert t.num_compute_tokens == 1
+    assert drain(eng) == [("FIRST_TOKEN", "d", 5.0 + TOKEN_S), ("FINISHED", "d", 5.0 + TOKEN_S)]
