@@ -8,7 +8,7 @@ import random
 import pytest
 
 from histate.sim.costs import CPU_TIER, GPU_TIER, H100_SXM, QWEN35_9B, SSD_TIER, PrefillChunk, RooflineStepCost
-from histate.sim.engine import Engine, EngineConfig, EngineRequest, EventKind, _cumulative
+from histate.sim.engine import Engine, EngineConfig, EngineRequest, _cumulative
 
 TOKEN_S = 1 / 1024
 DECODE_S = 1 / 128
@@ -50,6 +50,7 @@ def test_lone_request_chunked_prefill_then_decode():
     assert (timing.ttft_s, timing.restore_s, timing.queue_s, timing.prefill_s) == (16.0, 0.0, 0.0, 16.0)
     assert (eng.stats.prefill_steps, eng.stats.decode_only_steps, eng.stats.prefill_tokens) == (2, 2, 16384)
     assert not eng.has_work() and eng.next_event_time() == float("inf")
+    assert eng.advance_until(float("inf")) == [] and eng.now_s == 16.0 + 2 * DECODE_S   # idle: clock stays
 
 
 def test_head_of_line_blocking_behind_a_long_prefill():
@@ -210,3 +211,15 @@ def test_input_validation():
     t = eng.submit(EngineRequest("d", 0, 640, 1), 5.0)   # a full hit still computes one token
     assert t.num_compute_tokens == 1
     assert drain(eng) == [("FIRST_TOKEN", "d", 5.0 + TOKEN_S), ("FINISHED", "d", 5.0 + TOKEN_S)]
+
+
+def test_core_tier_enums_are_accepted_as_tiers():
+    core_types = pytest.importorskip("histate.core.types")
+    Tier = core_types.Tier
+    kv = {Tier.GPU: 10**9, Tier.CPU: 64 * 10**6, Tier.SSD: 5 * 10**6}
+    a = engine().submit(req("a", 1, ctx=2, kv_restore_bytes_by_tier=kv, checkpoint_restore_bytes=10**6,
+                            checkpoint_tier=Tier.SSD), 0.0)
+    b = engine().submit(req("b", 1, ctx=2, kv_restore_bytes_by_tier={GPU_TIER: 10**9, CPU_TIER: 64 * 10**6,
+                                                                      SSD_TIER: 5 * 10**6},
+                            checkpoint_restore_bytes=10**6, checkpoint_tier=SSD_TIER), 0.0)
+    assert a.restore_done_s == b.restore_done_s == pytest.approx(max(70e6 / 64e9, 6e6 / 5e9 + 6e6 / 64e9))

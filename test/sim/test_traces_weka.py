@@ -4,7 +4,7 @@ import json
 import pytest
 
 from histate.sim.request import RequestFlag, common_prefix_pages
-from histate.sim.traces import LoadOptions, TraceFormatError, load_weka
+from histate.sim.traces import LoadOptions, TraceFormatError, iter_weka_sessions, load_trace, load_weka
 
 from .helpers import ids, weka_request, weka_session, weka_subagent, write_jsonl
 
@@ -207,3 +207,27 @@ def test_option_validation():
         LoadOptions(overflow="clip")
     with pytest.raises(ValueError, match="max_context_num_tokens"):
         LoadOptions(max_context_num_tokens=0)
+
+
+def test_session_filter_streaming_and_format_dispatch(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [two_turn_session("a"), two_turn_session("b"), two_turn_session("c")])
+    w = load_weka(path, session_ids=["c", "a"])
+    assert [s.session_id for s in w.sessions] == ["a", "c"] and w.params["session_ids"] == ["a", "c"]
+    stream = iter_weka_sessions(path)
+    assert next(stream).session_id == "a"                  # lazily, one conversation at a time
+    assert [s.session_id for s in load_trace(path, "weka").sessions] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="unknown trace format"):
+        load_trace(path, "sharegpt")
+
+
+def test_a_skipped_conversation_leaves_no_partial_counts_or_uid_gaps(tmp_path):
+    bad = weka_session("bad", [
+        weka_request(0, 64, [1]),
+        weka_subagent(t=2, duration_s=1, requests=[weka_request(0, 64 * 2, [5, 6])]),
+        weka_request(3, 64 * 2, [1, "two"]),            # found while building, after the subagent
+    ])
+    w = load_weka(write_jsonl(tmp_path / "t.jsonl", [two_turn_session("a"), bad, two_turn_session("c")]),
+                  LoadOptions(on_error="skip"))
+    assert [r.uid for r in w.iter_requests()] == [0, 1, 2, 3]
+    assert (w.stats.sessions, w.stats.subagent_sessions, w.stats.requests, w.stats.malformed_skipped) == (2, 0, 4, 1)
+    assert "t.jsonl:2: requests[2].hash_ids: entry for page 1 is 'two'" in w.stats.errors[0]

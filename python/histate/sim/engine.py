@@ -320,7 +320,8 @@ class Engine:
                 return []
             start = self._next_step_start()
             if start >= t_s:
-                self._now = t_s
+                if t_s != math.inf:       # idle forever: keep the clock where it is
+                    self._now = t_s
                 return []
             self._admit_restored(start)
             if self._has_ready_prefill():

@@ -114,6 +114,18 @@ class WorkloadStats:
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__slots__}
 
+    def merge(self, other: "WorkloadStats") -> None:
+        """Add `other`'s counters to these (errors appended, mutation counts summed)."""
+        for name in self.__slots__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, dict):
+                for key, count in theirs.items():
+                    mine[key] = mine.get(key, 0) + count
+            elif isinstance(mine, list):
+                mine.extend(theirs)
+            else:
+                setattr(self, name, mine + theirs)
+
 
 @dataclass(slots=True)
 class Workload:

@@ -25,9 +25,9 @@ stream they have in common (prefix-chained keys). Edits (mutation kinds, chosen 
   `max_context_num_tokens` is compacted instead (agents compact near the window).
 
 Randomness: one `random.Random` per session, seeded by (seed, session index) through a string, so
-sessions do not depend on how many others are generated. Every turn draws the same variates in the
-same order whatever the rates are (common random numbers): raising a mutation rate only turns more
-of the same turns into mutations, which keeps rate sweeps paired.
+sessions do not depend on how many others are generated. Every turn draws the same seven uniform
+variates in the same order whatever the configuration (common random numbers): raising a mutation
+rate only turns more of the same turns into mutations, which keeps rate sweeps paired.
 """
 from __future__ import annotations
 
@@ -164,8 +164,8 @@ class _SessionGenerator:
         for r in range(cfg.num_turns):
             # Same variates in the same order every turn (common random numbers across configs).
             u_kind, u_cut, u_target = rng.random(), rng.random(), rng.random()
-            append = rng.randint(*(cfg.first_input_num_tokens if r == 0 else cfg.append_num_tokens))
-            output = rng.randint(*cfg.output_num_tokens)
+            append = _uniform_int(rng.random(), *(cfg.first_input_num_tokens if r == 0 else cfg.append_num_tokens))
+            output = _uniform_int(rng.random(), *cfg.output_num_tokens)
             human = rng.random() < cfg.human_gap_probability
             u_gap = rng.random()
             start_gap = rng.random() * cfg.session_start_spread_s
@@ -240,6 +240,11 @@ class _SessionGenerator:
             return turns[int(u_target * (len(turns) - 1))].end
         summary = self.config.compaction_summary_num_tokens
         return self.extend(self.system, summary)
+
+
+def _uniform_int(u: float, lo: int, hi: int) -> int:
+    """Uniform integer in [lo, hi] from one uniform variate (randint's draw count varies)."""
+    return lo + min(hi - lo, int(u * (hi - lo + 1)))
 
 
 def _log_uniform(u: float, lo: float, hi: float) -> float:

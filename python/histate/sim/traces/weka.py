@@ -63,6 +63,7 @@ class _RawSubagent:
 def load_weka(path, options: LoadOptions = LoadOptions(), session_ids: Optional[Iterable[str]] = None) -> Workload:
     """Load Weka conversations into a `Workload` (see module docstring for the mapping)."""
     stats = WorkloadStats()
+    session_ids = list(session_ids) if session_ids is not None else None
     sessions = list(iter_weka_sessions(path, options, stats, session_ids=session_ids))
     params = {"path": str(path), "format": "weka", **options.__dict__}
     if session_ids is not None:
@@ -72,13 +73,14 @@ def load_weka(path, options: LoadOptions = LoadOptions(), session_ids: Optional[
 
 
 def iter_weka_sessions(path, options: LoadOptions = LoadOptions(), stats: Optional[WorkloadStats] = None,
-                       *, session_ids: Optional[Iterable[str]] = None,
-                       keys: Optional[PageKeyAllocator] = None, uids: Optional[Iterator[int]] = None
-                       ) -> Iterator[Session]:
-    """Stream root sessions one conversation at a time (memory: one conversation's keys)."""
+                       *, session_ids: Optional[Iterable[str]] = None) -> Iterator[Session]:
+    """Stream root sessions one conversation at a time (memory: one conversation's keys).
+
+    Request uids are dense from 0 over the yielded sessions; `stats` (if given) is updated as
+    sessions are yielded, a skipped malformed conversation contributes only its skip count."""
     stats = stats if stats is not None else WorkloadStats()
-    keys = keys if keys is not None else PageKeyAllocator()
-    uids = uids if uids is not None else itertools.count()
+    keys = PageKeyAllocator()
+    next_uid = 0
     wanted = set(session_ids) if session_ids is not None else None
     records = ((p, line, rec) for p in trace_files(path, WEKA_SUFFIXES) for line, rec in iter_json_records(p))
     for file_path, line, record in progress_bar(records, options, "weka"):
@@ -88,14 +90,17 @@ def iter_weka_sessions(path, options: LoadOptions = LoadOptions(), stats: Option
             session_id = reader.get(record, "id", "", "str")
             if wanted is not None and session_id not in wanted:
                 continue
-            builder = _SessionBuilder(reader, options, stats, keys, uids, record)
+            local = WorkloadStats()       # merged only if the whole conversation is well formed
+            builder = _SessionBuilder(reader, options, local, keys, itertools.count(next_uid), record)
             session = builder.build_root(session_id)
         except TraceFormatError as err:
             record_error(err, options, stats)
             continue
+        stats.merge(local)
         if session is None:
             stats.sessions_dropped_empty += 1
             continue
+        next_uid += sum(len(s.requests) for s in session.iter_sessions())
         stats.sessions += 1
         yield session
 
