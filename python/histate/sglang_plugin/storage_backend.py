@@ -107,12 +107,45 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def read_state(self, page_hash: str, host_pool: Any, host_index: int, pool: Any = "mamba") -> bool:
         """Copy one stored checkpoint into `host_pool` slot `host_index`; False on any miss/fault."""
-        page = host_pool.get_dummy_flat_data_page()
+        from histate.storage import aligned_empty
+
+        # A plain (unpinned), O_DIRECT-aligned bounce buffer: the pool's own dummy page would be
+        # pinned memory allocated per call.
+        page = torch.from_numpy(aligned_empty(host_pool.page_size * host_pool.size_per_token))
         result = self.store.get(self.store_key(pool, page_hash), out=page)
         if not result.hit:
             return False
         host_pool.set_from_flat_data_page(host_index, page)
         self._count_io(read_bytes=page.numel() * page.element_size())
+        return True
+
+    def read_state_to_device(self, page_hash: str, mamba_pool: Any, physical_slot: int,
+                             pool: Any = "mamba") -> bool:
+        """Copy one stored checkpoint straight into device state slot `physical_slot`.
+
+        The stored bytes are the MAMBA host pool's flat page (temporal, then each conv buffer,
+        then side states; every tensor layer-major), so they scatter onto the device buffers the
+        host pool mirrors, in the same order. False on any miss, fault or size mismatch.
+        """
+        from histate.storage import aligned_empty
+
+        (info,) = mamba_pool.get_device_pool_infos()
+        buffers = info.buffer_info
+        views = [buffers.temporal[:, physical_slot], *(c[:, physical_slot] for c in buffers.conv),
+                 *(b[physical_slot] for b in buffers.extra_checkpoint_buffers)]
+        sizes = [v.numel() * v.element_size() for v in views]
+        key = self.store_key(pool, page_hash)
+        if self.store.payload_bytes(key) != sum(sizes):
+            return False
+        page = torch.from_numpy(aligned_empty(sum(sizes)))
+        if not self.store.get(key, out=page).hit:
+            return False
+        offset = 0
+        for view, size in zip(views, sizes):
+            chunk = page[offset:offset + size].view(view.dtype).reshape(view.shape)
+            view.copy_(chunk)
+            offset += size
+        self._count_io(read_bytes=offset)
         return True
 
     # --- KV pages: the generic page path ---------------------------------------------------------

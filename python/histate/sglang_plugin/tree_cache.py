@@ -5,7 +5,7 @@ selected by `--radix-cache-backend histate`, which `--enable-histate` sets). It 
 construction path (`create_unified_radix_cache`: component setup, HiCache attach) and swaps in:
   * `HiStateRadixCache` -- the cache class: a `HiStateRuntime` (runtime.py), the tree core
     "histate" (tree_core.py), the FULL/MAMBA component overrides (components.py), and a match
-    that refreshes per HiState's policy and restores SSD-only checkpoints into the host pool;
+    that refreshes per HiState's policy and restores SSD-only checkpoints to the device;
   * HiState's host sizing (host_stack.py) for the HiCache host pools it attaches.
 The cache's observable contract (match/insert/evict/lock, `sanity_check`) is SGLang's.
 """
@@ -14,10 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-import torch
 
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
-from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -100,10 +98,9 @@ class HiStateRadixCache(UnifiedRadixCache):
             best = self.tree_core.node_by_id(result.best_match_node)
             if self.histate.checkpoint_tier(best) != "storage":
                 break
-            if self._restore_state_from_ssd(best):
-                result = result._replace(mamba_host_hit_length=max(result.mamba_host_hit_length, 1))
-                break
-            best._hs_ssd_bad = True  # a fault is a miss, never a wrong result: match again without it
+            if not self._restore_state_from_ssd(best):
+                best._hs_ssd_bad = True  # a fault is a miss, never a wrong result
+            # match again: the restored state now counts as a device hit (or the node no longer does)
         runtime = self.histate
         visited = result.last_visited_node_id
         last = self.tree_core.node_by_id(visited) if visited is not None else best
@@ -112,26 +109,29 @@ class HiStateRadixCache(UnifiedRadixCache):
         return self._finalize_match_result(params, result)
 
     def _restore_state_from_ssd(self, node: Any) -> bool:
-        """Read `node`'s checkpoint from the SSD tier into a host state slot (then SGLang's
-        load-back moves it to the device like any host hit). False on any miss or fault."""
-        host_pool = self.host_pool_group.get_pool(PoolName.MAMBA) if self.host_pool_group else None
-        if host_pool is None or not node.hash_value:
-            return False
-        slot = host_pool.alloc(1)
+        """Read `node`'s checkpoint from the SSD tier into a device state slot (one checkpoint:
+        S / B_ssd + S / B_h2d, whatever the context length). False on any miss or fault.
+
+        It goes to the device directly, not through the host pool: SGLang keeps a state on the
+        host only next to its node's host KV, which an SSD-only checkpoint need not have."""
+        pool = self.req_to_token_pool
+        slot = pool.mamba_allocator.alloc(1)
         if slot is None:
-            self.evict_host(1, ComponentType.MAMBA)
-            slot = host_pool.alloc(1)
+            lock = self.lock(node.id)  # making room must not evict the node being restored
+            try:
+                self.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+            finally:
+                self.unlock(lock)
+            slot = pool.mamba_allocator.alloc(1)
             if slot is None:
                 return False
-        if not self.histate.ssd.read_state(node.hash_value[-1], host_pool, int(slot[0])):
-            host_pool.free(slot)
+        slot = slot.view(-1)
+        physical = int(pool.translate_mamba_indices(slot)[0])
+        if not self.histate.ssd.read_state_to_device(node.hash_value[-1], pool.mamba_pool, physical):
+            pool.mamba_allocator.free(slot)
             return False
-        data = node.component_data[ComponentType.MAMBA]
-        data.host_value = slot.clone()
-        host_lru = self.tree_core.host_lru_lists[ComponentType.MAMBA]
-        if data.value is None and not host_lru.in_list(node):
-            host_lru.insert_mru(node)
-        self.tree_core._update_evictable_leaf_sets(node)
+        self.tree_core.set_component_device_value(node.id, ComponentType.MAMBA, slot.clone())
+        node._hs_ckpt_access_s = self.histate.now()
         return True
 
     # --- adaptive interval control ------------------------------------------------------------------
