@@ -1,5 +1,123 @@
-"""Placeholder: chunked-prefill checkpoint placement (filled in next)."""
+"""Checkpoints inside a long prefill: chunk ends placed on the positions HiState planned.
+
+SGLang 0.5.23 keeps one recurrent state per request per forward pass: with the extra (ping-pong)
+buffer, a chunk of a chunked prefill tracks the state at `prefix + floor(extend / grid) * grid`
+and `Scheduler.stash_chunked_request` inserts it into the tree (research §2.2). So a checkpoint
+lands wherever a chunk ends. HiState plans positions per segment with the adaptive interval
+controller (`HiStateRadixCache.plan_checkpoints`, eq. 5) and moves chunk ends onto them:
+
+  floor  a chunk that SGLang cuts anyway ends at the last planned position inside it. Chunks get
+         at most one interval shorter, so the pass count rarely changes (see
+         `count_prefill_passes`); planned positions strictly inside a chunk are captured only by
+         the multi-position kernel path (GPU, sgl-kernel-ext), not here.
+  split  additionally every planned position ends a chunk (the first admission of a prompt that
+         would fit in one pass is cut at its first planned position): every planned checkpoint
+         exists, at one extra forward pass per checkpoint that would otherwise fall inside a chunk.
+  off    SGLang's chunking is left alone.
+
+Two HookRegistry hooks on `PrefillAdder` apply it: AROUND `_commit_prefill_admission` (a new
+request: its plan is made here, from the reused prefix) and AROUND `floor_chunked_tokens` (a
+continuing chunk; `add_chunked_req` is wrapped to say which request is being cut). Only cuts
+are moved: a final chunk is never shortened, so a request's prefill always completes.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Optional, Sequence
+
+_MODULE = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_current_req: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("histate_chunk_req", default=None)
+_installed = False
+
+
+def align_chunk_end(prefix_len: int, extend_len: int, total_len: int, plan: Sequence[int], mode: str) -> int:
+    """New extend length for a chunk over (prefix, prefix + extend] of a prompt of `total_len`.
+
+    `plan` holds absolute token positions. Never longer than `extend_len`, never empty.
+    """
+    end = prefix_len + extend_len
+    inside = [p for p in plan if prefix_len < p <= end]
+    if mode == "off" or not inside:
+        return extend_len
+    if mode == "split":
+        return min(inside) - prefix_len
+    if end < total_len:  # floor: only a real cut moves
+        return max(inside) - prefix_len
+    return extend_len
+
+
+def count_prefill_passes(prefix_len: int, total_len: int, chunk_tokens: int, plan: Sequence[int],
+                         mode: str) -> tuple[int, list[int]]:
+    """Forward passes and chunk ends for one prompt under `mode` (the cost model in docs)."""
+    ends, pos = [], prefix_len
+    while pos < total_len:
+        extend = min(chunk_tokens, total_len - pos)
+        extend = align_chunk_end(pos, extend, total_len, plan, mode)
+        pos += extend
+        ends.append(pos)
+    return len(ends), ends
+
+
+def _histate_cache(adder: Any) -> Any:
+    cache = getattr(adder, "tree_cache", None)
+    return cache if getattr(cache, "histate", None) is not None else None
+
+
+def plan_of(req: Any, cache: Any, reused_tokens: int) -> list[int]:
+    """The request's planned checkpoint positions, made once at its first admission."""
+    plan = getattr(req, "_hs_plan", None)
+    if plan is None:
+        plan = cache.plan_checkpoints(reused_tokens, len(req.full_untruncated_fill_ids))
+        req._hs_plan = plan
+    return plan
+
+
+def commit_admission_around(original: Any, adder: Any, req: Any, admission: Any, *args: Any, **kwargs: Any) -> Any:
+    cache = _histate_cache(adder)
+    if cache is not None:
+        mode = cache.histate.config.chunk_align
+        total = len(req.full_untruncated_fill_ids)
+        plan = plan_of(req, cache, admission.prefix_len)
+        can_cut = admission.is_chunked or (mode == "split" and adder.new_chunked_req is None)
+        if can_cut:
+            extend = align_chunk_end(admission.prefix_len, admission.extend_len, total, plan, mode)
+            if extend != admission.extend_len:
+                admission = dataclasses.replace(admission, extend_len=extend, is_chunked=True, max_new_tokens=0)
+                cache.histate.metrics.record_chunk_cut("floor" if mode == "floor" else "split")
+    return original(adder, req, admission, *args, **kwargs)
+
+
+def add_chunked_req_around(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    token = _current_req.set(req)
+    try:
+        return original(adder, req, *args, **kwargs)
+    finally:
+        _current_req.reset(token)
+
+
+def floor_chunked_tokens_around(original: Any, adder: Any, trunc_len: int, remaining: int) -> int:
+    new_len = original(adder, trunc_len, remaining)
+    req, cache = _current_req.get(), _histate_cache(adder)
+    if req is None or cache is None or new_len >= remaining:
+        return new_len  # not a continuing chunk of ours, or the final chunk: never shortened
+    mode = cache.histate.config.chunk_align
+    aligned = align_chunk_end(req.prefix_len, new_len, req.prefix_len + remaining,
+                              plan_of(req, cache, req.prefix_len), mode)
+    if aligned != new_len:
+        cache.histate.metrics.record_chunk_cut("floor" if mode == "floor" else "split")
+    return aligned
 
 
 def install_chunk_planning() -> None:
-    return None
+    """Register the three PrefillAdder hooks (once per process; the scheduler's)."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_MODULE}._commit_prefill_admission", commit_admission_around, HookType.AROUND)
+    HookRegistry.register(f"{_MODULE}.add_chunked_req", add_chunked_req_around, HookType.AROUND)
+    HookRegistry.register(f"{_MODULE}.floor_chunked_tokens", floor_chunked_tokens_around, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    _installed = True
