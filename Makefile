@@ -28,8 +28,11 @@ $(STAMP): python/pyproject.toml constraints/cpu.txt Makefile
 
 venv: $(STAMP)  ## create .venv with everything the tests need (idempotent)
 
-demo: venv  ## replay the synthetic agent workload (or ../shared traces) through every policy
-	$(VENV)/bin/histate replay
+WEKA_TRACE ?= ../shared/traces/cc-traces-weka-042026/traces.jsonl.gz
+
+demo: venv  ## replay ../shared's Weka sessions (paper preset, 125 sessions) or, without them, the synthetic agent workload, through every policy
+	if [ -f $(WEKA_TRACE) ]; then $(VENV)/bin/histate replay --trace $(WEKA_TRACE) --max-sessions 125 --out out/demo; \
+	else $(VENV)/bin/histate replay --out out/demo; fi
 
 test: venv  ## run the CPU test suite (what CI runs)
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PYTEST) test -q

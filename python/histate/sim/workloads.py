@@ -91,6 +91,15 @@ def default_workload(seed: int = 0) -> Workload:
     return agent_workload(AgentWorkloadConfig(seed=seed), name="synthetic:agent-default")
 
 
+def demo_workload(seed: int = 0) -> Workload:
+    """`histate replay`'s embedded workload: 96 sessions x 16 turns with 8-32K-token first prompts and
+    0.5-8K-token appends (~1,500 requests, ~72M input tokens), enough that 24 live sessions overflow
+    the paper preset's 45 GiB GPU pool, so policies differ."""
+    config = AgentWorkloadConfig(num_sessions=96, num_turns=16, first_input_num_tokens=(8192, 32768),
+                                 append_num_tokens=(512, 8192), seed=seed)
+    return agent_workload(config, name="synthetic:agent-demo")
+
+
 def mutation_microbenchmark(mutation_rate: float, *, num_sessions: int = 48, num_turns: int = 16,
                             turn_input_num_tokens: int = 8192, output_num_tokens: int = 256,
                             gap_s: float = 180.0, cut_granularity_num_tokens: int = 256,

@@ -21,7 +21,10 @@ class HiState(Policy):
     refresh_all = True
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
-        return ctx.controller.plan(ctx.start_pages, ctx.end_pages)
+        positions = ctx.controller.plan(ctx.start_pages, ctx.end_pages)
+        if ctx.start_pages < ctx.kv_match_pages < ctx.end_pages:  # an observed branch point
+            positions = sorted(set(positions) | {ctx.kv_match_pages})
+        return positions
 
     def score(self, cache, node, unit: UnitKind, bit: int) -> float:
         cfg = cache.config

@@ -1,0 +1,118 @@
+"""Per-request records of a replay and the paper's metrics over them (§4.1-4.2).
+
+- token hit rate = sum of reused tokens / sum of input tokens (a KV match without a usable state does
+  not count: reused = c, DESIGN.md hit accounting);
+- TTFT percentiles over all requests (queueing + restore + recompute);
+- the reuse-sensitive cohort: requests whose `vllm-disk` hit rate is at least 5 points below
+  `unlimited`, or whose hit rate differs by at least 5 points between `histate` and `vllm-disk`;
+- the fraction of `unlimited`'s reusable tokens a policy recovers on that cohort (sum over the cohort,
+  then divide).
+Pure Python over plain records; no I/O.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    uid: int
+    session_id: str
+    flags: int
+    arrival_s: float
+    input_tokens: int
+    kv_hit_tokens: int  # m * P
+    reused_tokens: int  # c * P
+    restore_s: float = 0.0
+    first_token_s: float = math.nan
+    completion_s: float = math.nan
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.input_tokens if self.input_tokens else 0.0
+
+
+@dataclass
+class PolicyRun:
+    """Everything one policy's replay produced."""
+
+    policy: str
+    records: list
+    cache_stats: object = None
+    engine_stats: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def by_uid(self) -> dict:
+        return {r.uid: r for r in self.records}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(run: PolicyRun, uids: Optional[Iterable[int]] = None) -> dict:
+    records = run.records if uids is None else [r for r in run.records if r.uid in set(uids)]
+    ttfts = [r.ttft_s for r in records if not math.isnan(r.first_token_s)]
+    input_tokens = sum(r.input_tokens for r in records)
+    reused = sum(r.reused_tokens for r in records)
+    return {
+        "policy": run.policy,
+        "requests": len(records),
+        "input_tokens": input_tokens,
+        "reused_tokens": reused,
+        "token_hit_rate": reused / input_tokens if input_tokens else 0.0,
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+        "ttft_p99_s": percentile(ttfts, 99),
+    }
+
+
+def reuse_sensitive_uids(runs: Mapping[str, PolicyRun], ours: str = "histate", base: str = "vllm-disk",
+                         ceiling: str = "unlimited", threshold: float = 0.05) -> list:
+    """Paper §4.2 cohort; empty when one of the three policies was not replayed."""
+    if not all(name in runs for name in (ours, base, ceiling)):
+        return []
+    o, b, c = runs[ours].by_uid(), runs[base].by_uid(), runs[ceiling].by_uid()
+    cohort = []
+    for uid, rb in b.items():
+        if uid not in o or uid not in c:
+            continue
+        if rb.hit_rate <= c[uid].hit_rate - threshold or abs(o[uid].hit_rate - rb.hit_rate) >= threshold:
+            cohort.append(uid)
+    return sorted(cohort)
+
+
+def recovered_fraction(runs: Mapping[str, PolicyRun], policy: str, uids: Sequence[int],
+                       ceiling: str = "unlimited") -> float:
+    """Reused tokens of `policy` over the cohort / reused tokens of `ceiling` over the cohort."""
+    if ceiling not in runs or policy not in runs or not uids:
+        return math.nan
+    got, top = runs[policy].by_uid(), runs[ceiling].by_uid()
+    denom = sum(top[u].reused_tokens for u in uids)
+    return sum(got[u].reused_tokens for u in uids) / denom if denom else math.nan
+
+
+def speedups(summaries: Mapping[str, dict], baseline: str = "vllm-marconi") -> dict:
+    """baseline percentile / policy percentile, per policy, for p50, p95, p99 and the mean."""
+    if baseline not in summaries:
+        return {}
+    base = summaries[baseline]
+    out = {}
+    for name, s in summaries.items():
+        out[name] = {k: (base[k] / s[k] if s[k] and not math.isnan(s[k]) else math.nan)
+                     for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s")}
+    return out

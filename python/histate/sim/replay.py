@@ -1,0 +1,236 @@
+"""Replay driver: a workload through one cache policy and the GPU engine model, in simulated time.
+
+Admission follows the paper (§4.1): at most `max_live_sessions` root sessions are live; whenever one
+ends (its last request and all its subagents complete) the next session of a seeded random order is
+admitted. The order is the same for every policy, so policies see the same sessions; timing within a
+session is closed-loop (request.py: a request arrives its think/tool gap after the previous one
+completes), so a slower policy stretches its own replay, as a real server would.
+
+Per request: `cache.begin_request` at arrival (match, pin, promote), the engine charges the restore
+of KV per tier + one checkpoint and the recompute of L - c tokens, `cache.finish_request` when the
+prefill completes (first token), and the bytes the cache wrote to CPU / SSD are charged to the
+links as background transfers. TTFT = first token - arrival.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from ..core import CacheConfig, Tier, make_cache
+from ..core.config import DEFAULT_INTERVALS_PAGES
+from .costs import HardwareSpec, RooflineStepCost, get_hardware, get_model
+from .engine import Engine, EngineConfig, EngineRequest, EventKind
+from .metrics import PolicyRun, RequestRecord
+from .request import Workload
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The paper preset by default (§4.1): Qwen3.5-9B on one H100, 45 GiB GPU pool, 96 GiB CPU,
+    150 GiB SSD, 24 live sessions."""
+
+    model: str = "qwen3.5-9b"
+    hardware: str = "h100"
+    gpu_cache_bytes: int = 45 * GiB
+    cpu_cache_bytes: int = 96 * GiB
+    ssd_cache_bytes: int = 150 * GiB
+    max_live_sessions: int = 24
+    max_sessions: Optional[int] = None  # root sessions admitted in total (None: all)
+    seed: int = 0
+    tau_s: float = 600.0
+    intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline
+    hardware_spec: Optional[HardwareSpec] = None  # overrides the `hardware` preset (other link speeds)
+
+    def resolved_hardware(self) -> HardwareSpec:
+        return self.hardware_spec if self.hardware_spec is not None else get_hardware(self.hardware)
+
+    def cache_config(self, page_num_tokens: int) -> CacheConfig:
+        model = get_model(self.model)
+        return CacheConfig(
+            page_num_tokens=page_num_tokens, kv_bytes_per_token=model.kv_bytes_per_token,
+            checkpoint_size_bytes=model.checkpoint_size_bytes,
+            capacity_bytes={Tier.GPU: self.gpu_cache_bytes, Tier.CPU: self.cpu_cache_bytes,
+                            Tier.SSD: self.ssd_cache_bytes},
+            tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages)
+
+
+@dataclass(slots=True)
+class _SessionRun:
+    session: object
+    root_id: str
+    next_index: int = 0
+    is_waiting: bool = False  # next request waits for child sessions (`after_sessions`)
+    is_done: bool = False
+
+
+class _Replay:
+    """One policy's replay; `run()` returns its PolicyRun. Not reusable."""
+
+    def __init__(self, workload: Workload, policy: str, config: ReplayConfig, on_request_done: Callable):
+        self.workload, self.config = workload, config
+        self.page_num_tokens = workload.page_num_tokens
+        self.cache = make_cache(policy, config.cache_config(workload.page_num_tokens))
+        self.engine = Engine(get_model(config.model), config.resolved_hardware(), config.engine, config.step_cost)
+        self.policy = policy
+        self.on_request_done = on_request_done
+        self.arrivals: list = []  # heap of (time_s, seq, _SessionRun, Request)
+        self.seq = 0
+        self.runs: dict = {}
+        self.children: dict = {}  # (session_id, spawn index) -> [child Session]
+        self.pending_roots: dict = {}  # root id -> sessions of its tree not yet done
+        self.in_flight: dict = {}  # uid -> (lease, positions, record)
+        self.records: list = []
+        self.written = {Tier.CPU: 0, Tier.SSD: 0}
+        roots = list(workload.sessions)
+        random.Random(config.seed).shuffle(roots)
+        if config.max_sessions is not None:
+            roots = roots[: config.max_sessions]
+        self.queue = roots[::-1]  # pop() from the end = next in the seeded order
+        self.num_live = 0
+
+    def run(self) -> PolicyRun:
+        t0 = time.perf_counter()
+        self._admit(0.0)
+        engine = self.engine
+        while self.arrivals or engine.has_work():
+            t_next = self.arrivals[0][0] if self.arrivals else math.inf
+            events = engine.advance_until(t_next)
+            if events:
+                for ev in events:
+                    if ev.kind is EventKind.FIRST_TOKEN:
+                        self._on_first_token(ev.request_id, ev.time_s)
+                    else:
+                        self._on_finished(ev.request_id, ev.time_s)
+                continue
+            if not self.arrivals:
+                break
+            t, _, run, req = heapq.heappop(self.arrivals)
+            self._on_arrival(run, req, t)
+        return PolicyRun(self.policy, self.records, self.cache.stats,
+                         {"ssd": self.engine.ssd.stats, "h2d": self.engine.h2d.stats}, time.perf_counter() - t0)
+
+    # --- sessions ------------------------------------------------------------------------------
+
+    def _admit(self, t: float) -> None:
+        while self.num_live < self.config.max_live_sessions and self.queue:
+            root = self.queue.pop()
+            self.num_live += 1
+            self.pending_roots[root.session_id] = sum(1 for _ in root.iter_sessions())
+            self._release(root, root.session_id, t)
+
+    def _release(self, session, root_id: str, t: float) -> None:
+        run = _SessionRun(session, root_id)
+        self.runs[session.session_id] = run
+        for child in session.subagents:
+            self.children.setdefault((session.session_id, child.spawn_after_index), []).append(child)
+        for child in self.children.pop((session.session_id, -1), []):
+            self._release(child, root_id, t)
+        self._schedule_next(run, t)
+
+    def _schedule_next(self, run: _SessionRun, t: float) -> None:
+        requests = run.session.requests
+        if run.next_index >= len(requests):
+            self._session_done(run, t)
+            return
+        req = requests[run.next_index]
+        if any(not (c in self.runs and self.runs[c].is_done) for c in req.after_sessions):
+            run.is_waiting = True
+            return
+        run.is_waiting = False
+        self.seq += 1
+        heapq.heappush(self.arrivals, (t + req.gap_before_s, self.seq, run, req))
+
+    def _session_done(self, run: _SessionRun, t: float) -> None:
+        run.is_done = True
+        parent_id = run.session.parent_session_id
+        if parent_id is not None and parent_id in self.runs and self.runs[parent_id].is_waiting:
+            self._schedule_next(self.runs[parent_id], t)
+        self.pending_roots[run.root_id] -= 1
+        if self.pending_roots[run.root_id] == 0:
+            self.num_live -= 1
+            self._admit(t)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def _on_arrival(self, run: _SessionRun, req, t: float) -> None:
+        lease = self.cache.begin_request(req.page_keys, t)
+        positions = self.cache.plan_checkpoints(lease)
+        m = lease.match
+        P = self.page_num_tokens
+        reused = min(m.num_reused_pages * P, req.input_num_tokens)
+        timing = self.engine.submit(EngineRequest(
+            req.uid, req.input_num_tokens - reused, req.input_num_tokens, req.output_num_tokens,
+            m.kv_bytes_by_tier, m.checkpoint_size_bytes, m.checkpoint_tier), t)
+        record = RequestRecord(req.uid, req.session_id, int(req.flags), t, req.input_num_tokens,
+                               m.num_kv_pages * P, reused, timing.restore_transfer_s)
+        self.in_flight[req.uid] = (lease, positions, record, run)
+        self._charge_writes(t)
+
+    def _on_first_token(self, uid, t: float) -> None:
+        lease, positions, record, _ = self.in_flight[uid]
+        self.cache.finish_request(lease, None, t, positions)
+        record.first_token_s = t
+        self._charge_writes(t)
+
+    def _on_finished(self, uid, t: float) -> None:
+        _, _, record, run = self.in_flight.pop(uid)
+        record.completion_s = t
+        self.records.append(record)
+        self.on_request_done()
+        index = run.next_index
+        run.next_index += 1
+        for child in self.children.pop((run.session.session_id, index), []):
+            self._release(child, run.root_id, t)
+        self._schedule_next(run, t)
+
+    def _charge_writes(self, t: float) -> None:
+        """Bytes the cache placed in CPU / SSD since the last call become background transfers
+        (offload over D2H; SSD writes on the SSD channel). Promotions to GPU are charged as restores."""
+        by_tier = self.cache.stats.bytes_written_by_tier
+        for tier, src in ((Tier.CPU, Tier.GPU), (Tier.SSD, Tier.CPU)):
+            delta = by_tier.get(tier, 0) - self.written[tier]
+            if delta:
+                self.written[tier] += delta
+                self.engine.submit_transfer(delta, int(src), int(tier), t)
+
+
+def replay(workload: Workload, policy: str, config: ReplayConfig = ReplayConfig(),
+           on_request_done: Callable = lambda: None) -> PolicyRun:
+    return _Replay(workload, policy, config, on_request_done).run()
+
+
+def replay_policies(workload: Workload, policies: Sequence[str], config: ReplayConfig = ReplayConfig(),
+                    progress: bool = True) -> dict:
+    """Every policy on the same workload and admission order; a progress bar per policy."""
+    runs = {}
+    num_requests = _num_admitted_requests(workload, config)
+    for name in policies:
+        bar = _progress_bar(num_requests, name) if progress else None
+        runs[name] = replay(workload, name, config, bar.update if bar else (lambda: None))
+        if bar:
+            bar.close()
+    return runs
+
+
+def _num_admitted_requests(workload: Workload, config: ReplayConfig) -> int:
+    roots = list(workload.sessions)
+    random.Random(config.seed).shuffle(roots)
+    if config.max_sessions is not None:
+        roots = roots[: config.max_sessions]
+    return sum(len(s.requests) for root in roots for s in root.iter_sessions())
+
+
+def _progress_bar(total: int, name: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=f"{name:>16}", unit="req", leave=False, mininterval=0.5)
