@@ -30,8 +30,9 @@ def main() -> None:
             sys.stdout.flush()
 
     def crc_then_maybe_freeze(chunk):
-        # in the multi-piece write path this runs after piece k was posted: the temp file is torn here
-        if pause.is_set() and threading.current_thread().name.startswith("histate-store"):
+        # checksums run beside the piece writes and the header waits for all of them: freezing one
+        # leaves a temp file with payload pieces on disk and no header, i.e. a torn write
+        if pause.is_set() and threading.current_thread() is not threading.main_thread():
             say(f"paused {threading.current_thread().name}")
             threading.Event().wait()
         return real_crc(chunk)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -28,6 +29,8 @@ def test_sigkill_mid_stream_then_restart(tmp_path, backend):
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "crash_writer.py"), root, backend, "30"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     acked: dict[str, int] = {}
+    watchdog = threading.Timer(90, proc.kill)  # a writer that never pauses must not hang the suite
+    watchdog.start()
     try:
         for line in proc.stdout:
             word, _, rest = line.strip().partition(" ")
@@ -37,8 +40,9 @@ def test_sigkill_mid_stream_then_restart(tmp_path, backend):
             elif word == "paused":
                 break
         else:
-            pytest.fail(f"writer exited early (rc {proc.wait()}): {proc.stderr.read()[-2000:]}")
+            pytest.fail(f"writer ended without pausing (rc {proc.wait()}): {proc.stderr.read()[-2000:]}")
     finally:
+        watchdog.cancel()
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL

@@ -140,6 +140,10 @@ class IoSession:
     def wait(self, token: object) -> None:
         raise NotImplementedError
 
+    def poll(self, token: object) -> None:
+        """Non-blocking progress on a submitted transfer. Backends whose queue only advances when
+        polled (NIXL POSIX) use it to keep the disk busy while the caller checksums; others ignore it."""
+
     def shutdown(self) -> None:
         for buf in self._staging.values():
             self._unregister_staging(buf)

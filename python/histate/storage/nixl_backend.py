@@ -41,10 +41,11 @@ def _import_nixl():
 
 
 class _Pending:
-    __slots__ = ("handle", "temp_regs", "op", "path", "state")
+    __slots__ = ("handle", "temp_regs", "op", "path", "state", "error")
 
     def __init__(self, handle, temp_regs, op, path, state):
         self.handle, self.temp_regs, self.op, self.path, self.state = handle, temp_regs, op, path, state
+        self.error: Exception | None = None
 
 
 class NixlSession(IoSession):
@@ -121,9 +122,19 @@ class NixlSession(IoSession):
             raise IoFault(Fault.IO_ERROR, f"NIXL {op} {f.path} post: {type(exc).__name__}: {exc}") from None
         return _Pending(handle, temp_regs, op, f.path, state)
 
+    def poll(self, token: object) -> None:
+        p: _Pending = token
+        if p.state == "PROC" and p.error is None:
+            try:
+                p.state = self.agent.check_xfer_state(p.handle)
+            except Exception as exc:  # reported by wait(), which also releases the handle
+                p.error = exc
+
     def wait(self, token: object) -> None:
         p: _Pending = token
         try:
+            if p.error is not None:
+                raise p.error
             state = p.state
             spin_until = time.perf_counter() + _SPIN_S
             while state == "PROC":  # the POSIX plugin only progresses (and submits past 64 I/Os) when polled

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -95,7 +96,9 @@ class CheckpointStore:
         if config.direct_io is True and not all(self._direct.values()):
             log.warning("histate.storage: O_DIRECT requested but refused by %s; buffered I/O there",
                         [r for r, ok in self._direct.items() if not ok])
-        self._pipe = PipelineConfig(config.chunk_bytes, config.piece_bytes, config.max_inflight)
+        self._crc_pool = (ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="histate-crc")
+                          if config.checksum_threads else None)
+        self._pipe = PipelineConfig(config.chunk_bytes, config.piece_bytes, config.max_inflight, self._crc_pool)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._room = threading.Condition(self._lock)
@@ -260,6 +263,8 @@ class CheckpointStore:
         with self._inline_lock:  # let a running inline call finish
             for s in [self._inline_session, *self._sessions]:
                 s.shutdown()
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown(wait=True)
         self._release_locks()
 
     def __enter__(self) -> "CheckpointStore":

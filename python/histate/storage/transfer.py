@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,7 @@ class PipelineConfig:
     chunk_bytes: int = 1 << 20  # checksum granularity (recorded in each file's header)
     piece_bytes: int = 8 << 20  # I/O unit of the pipeline; rounded to a multiple of chunk_bytes
     max_inflight: int = 4  # pieces posted but not yet completed
+    checksum_pool: Executor | None = None  # checksums run here, beside the I/O; None = inline
 
 
 @dataclass
@@ -76,6 +78,31 @@ def _plan_piece(sess: IoSession, f: OpenFile, host: np.ndarray, start: int, stop
     return piece
 
 
+def _piece_crcs(src: np.ndarray, start: int, stop: int, chunk_bytes: int, progress=None) -> list[int]:
+    crcs = []
+    for i in range(start, stop, chunk_bytes):
+        crcs.append(chunk_crc(src[i: min(i + chunk_bytes, stop)]))
+        if progress is not None:
+            progress()
+    return crcs
+
+
+def _spawn(cfg: PipelineConfig, fn, *args):
+    """Run a checksum job in the pool (no progress callback: polling stays in the I/O thread)."""
+    if cfg.checksum_pool is None:
+        return fn(*args)
+    return cfg.checksum_pool.submit(fn, *args[:-1])
+
+
+def _result(job):
+    return job.result() if isinstance(job, Future) else job
+
+
+def _progress(sess: IoSession, inflight: deque) -> None:
+    for piece in inflight:
+        sess.poll(piece.token)
+
+
 def _drain(sess: IoSession, inflight: deque) -> None:
     """Wait out every posted piece after a failure (buffers and fds must outlive the I/O)."""
     while inflight:
@@ -114,7 +141,7 @@ def _write_payload_and_header(sess: IoSession, f: OpenFile, src: np.ndarray, key
     payload_bytes = src.size
     chunk_bytes = cfg.chunk_bytes
     step = _piece_bytes(cfg, chunk_bytes)
-    crcs: list[int] = []
+    piece_crcs: list = []
     if payload_bytes <= step:  # small object: one vectored call for header + payload
         crcs = [chunk_crc(src[i: i + chunk_bytes]) for i in range(0, payload_bytes, chunk_bytes)]
         header = Header(key, payload_bytes, dtype_name, tuple(shape), chunk_bytes, tuple(crcs))
@@ -128,10 +155,11 @@ def _write_payload_and_header(sess: IoSession, f: OpenFile, src: np.ndarray, key
             sess.wait(inflight.popleft().token)
         stop = min(start + step, payload_bytes)
         piece = _plan_piece(sess, f, src, start, stop, header_bytes, slot % cfg.max_inflight, True)
+        # checksum piece k beside its write (in the pool, or here between polls of the queue)
+        piece_crcs.append(_spawn(cfg, _piece_crcs, src, start, stop, chunk_bytes, lambda: _progress(sess, inflight)))
         piece.token = sess.submit(f, "WRITE", piece.segments)
         inflight.append(piece)
-        # checksum piece k while the disk writes it
-        crcs.extend(chunk_crc(src[i: min(i + chunk_bytes, stop)]) for i in range(start, stop, chunk_bytes))
+    crcs = [c for job in piece_crcs for c in _result(job)]
     header = Header(key, payload_bytes, dtype_name, tuple(shape), chunk_bytes, tuple(crcs))
     hdr = _staged_header(sess, header)
     while inflight:
@@ -153,13 +181,18 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _verify_piece(out: np.ndarray, piece: _Piece, header: Header) -> None:
+def _copy_back(piece: _Piece) -> None:
     for staged, dest in piece.copy_back:
         dest[:] = staged
+
+
+def _verify_piece(out: np.ndarray, piece: _Piece, header: Header, progress=None) -> None:
     cb = header.chunk_bytes
     for i in range(piece.start, piece.stop, cb):
         if chunk_crc(out[i: min(i + cb, piece.stop)]) != header.chunk_crcs[i // cb]:
             raise IoFault(Fault.CORRUPT, f"payload checksum mismatch in chunk {i // cb} of {header.key!r}")
+        if progress is not None:
+            progress()
 
 
 def _verify_header(buf: np.ndarray, expected: Header, path: str) -> None:
@@ -192,6 +225,7 @@ def read_object(sess: IoSession, path: str, header: Header, out: np.ndarray, dir
             sess.run(f, "READ", segments)
             _verify_header(hdr, header, path)
             if piece is not None:
+                _copy_back(piece)
                 _verify_piece(out, piece, header)
             return
         pending = deque(starts)
@@ -211,15 +245,20 @@ def read_object(sess: IoSession, path: str, header: Header, out: np.ndarray, dir
         while pending and len(inflight) < cfg.max_inflight:
             post()
         verified_header = False
+        checks = []
         while inflight:
             piece = inflight.popleft()
             sess.wait(piece.token)
             if not verified_header:
                 _verify_header(hdr, header, path)
                 verified_header = True
-            _verify_piece(out, piece, header)  # the disk keeps working on the pieces still in flight
+            _copy_back(piece)  # before its bounce slot is posted again
             if pending:
                 post()
+            # the disk keeps working on the pieces in flight (in the pool, or polled between chunks)
+            checks.append(_spawn(cfg, _verify_piece, out, piece, header, lambda: _progress(sess, inflight)))
+        for job in checks:
+            _result(job)  # raises the first checksum mismatch
     finally:
         _drain(sess, inflight)
         sess.close(f)

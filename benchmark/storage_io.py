@@ -1,0 +1,320 @@
+"""Storage I/O benchmark: the HiState store (NIXL and plain-file backends) next to the raw device.
+
+For each case the same bytes are moved by every implementation, interleaved rep by rep (order rotated)
+so that drift on a shared disk hits all of them alike; cells are medians.
+
+  raw         plain sequential O_DIRECT: one pwrite (O_TRUNC, same file every rep) / one preadv of all
+              the bytes, page-aligned buffer; KV batches: all pages in one sequential file
+  raw-layout  the store's file-system work without the store: one file per object (per page), written
+              to a temp name + rename over the old one, read back with one preadv; O_DIRECT, no header,
+              no checksum, no queue
+  file, nixl  CheckpointStore.put / .get(out=...) end to end (sync calls; KV pages as one batch):
+              checksums, header block, temp file + preallocation, rename, index, O_DIRECT
+
+Per-call overhead = median(store call on a 4 KiB object) - median(raw-layout call on the same 8 KiB
+file: header block + payload block). Throughput ratio = raw median latency / store median latency.
+
+    python benchmark/storage_io.py --dir /nvme/tmp/histate-bench --reps 15 --out out/storage_io.json \
+        --plot docs/storage_io.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from histate.storage import CheckpointStore, StoreConfig, aligned_empty, nixl_available
+
+MiB = 1 << 20
+KiB = 1 << 10
+CHECKPOINT_SIZES = [1 * MiB, 16 * MiB, 64 * MiB]
+KV_PAGES, KV_PAGE_BYTES = 64, 256 * KiB
+SMALL_BYTES = 4 * KiB
+
+
+def _raw_write(path: str, buf: np.ndarray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    try:
+        done = 0
+        while done < buf.size:
+            done += os.pwrite(fd, buf[done:], done)
+    finally:
+        os.close(fd)
+
+
+def _raw_publish(path: str, buf: np.ndarray) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    try:
+        done = 0
+        while done < buf.size:
+            done += os.pwrite(fd, buf[done:], done)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def _raw_read(path: str, buf: np.ndarray) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        done = 0
+        while done < buf.size:
+            n = os.preadv(fd, [buf[done:]], done)
+            if n <= 0:
+                raise EOFError(path)
+            done += n
+    finally:
+        os.close(fd)
+
+
+class Case:
+    """One workload: named (impl, op) -> callable; each call moves the case's bytes once."""
+
+    def __init__(self, name: str, num_bytes: int, calls: dict[tuple[str, str], callable]):
+        self.name, self.num_bytes, self.calls = name, num_bytes, calls
+
+
+def _store_calls(store: CheckpointStore, impl: str, key: str, src: np.ndarray, dst: np.ndarray):
+    def put():
+        r = store.put(key, src)
+        assert r.stored, r
+
+    def get():
+        r = store.get(key, out=dst)
+        assert r.hit, r
+
+    return {(impl, "write"): put, (impl, "read"): get}
+
+
+def _store_batch_calls(store: CheckpointStore, impl: str, pages, outs):
+    keys = [k for k, _ in pages]
+
+    def put():
+        assert all(r.stored for r in store.submit_put(pages).wait())
+
+    def get():
+        assert all(r.hit for r in store.submit_get(keys, out=outs).wait())
+
+    return {(impl, "write"): put, (impl, "read"): get}
+
+
+def build_cases(stores: dict[str, CheckpointStore], raw_dir: str, rng) -> list[Case]:
+    cases = []
+    for size in [SMALL_BYTES] + CHECKPOINT_SIZES:
+        src = aligned_empty(size)
+        src[:] = rng.integers(0, 256, size, dtype=np.uint8)
+        dst = aligned_empty(size)
+        raw_path = os.path.join(raw_dir, f"raw-{size}")
+        layout_path = os.path.join(raw_dir, f"layout-{size}")
+        # the store's file for this object: one header block + the payload (already block aligned)
+        file_src, file_dst = aligned_empty(size + 4096), aligned_empty(size + 4096)
+        file_src[:] = 0
+        calls = {("raw", "write"): lambda p=raw_path, b=src: _raw_write(p, b),
+                 ("raw", "read"): lambda p=raw_path, b=dst: _raw_read(p, b),
+                 ("raw-layout", "write"): lambda p=layout_path, b=file_src: _raw_publish(p, b),
+                 ("raw-layout", "read"): lambda p=layout_path, b=file_dst: _raw_read(p, b)}
+        for impl, store in stores.items():
+            calls.update(_store_calls(store, impl, f"ckpt-{size}", src, dst))
+        label = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
+        cases.append(Case(("call " if size == SMALL_BYTES else "ckpt ") + label, size, calls))
+    pages_src = [aligned_empty(KV_PAGE_BYTES) for _ in range(KV_PAGES)]
+    for p in pages_src:
+        p[:] = rng.integers(0, 256, KV_PAGE_BYTES, dtype=np.uint8)
+    pages_dst = [aligned_empty(KV_PAGE_BYTES) for _ in range(KV_PAGES)]
+    page_files_src = [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)]
+    page_files_dst = [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)]
+    for p in page_files_src:
+        p[:] = 0
+    seq_src = aligned_empty(KV_PAGES * KV_PAGE_BYTES)
+    seq_src[:] = 0
+    seq_dst = aligned_empty(KV_PAGES * KV_PAGE_BYTES)
+    seq_path = os.path.join(raw_dir, "raw-kv-seq")
+    page_paths = [os.path.join(raw_dir, f"layout-kv-{i}") for i in range(KV_PAGES)]
+    calls = {
+        ("raw", "write"): lambda: _raw_write(seq_path, seq_src),
+        ("raw", "read"): lambda: _raw_read(seq_path, seq_dst),
+        ("raw-layout", "write"): lambda: [_raw_publish(p, b) for p, b in zip(page_paths, page_files_src)],
+        ("raw-layout", "read"): lambda: [_raw_read(p, b) for p, b in zip(page_paths, page_files_dst)],
+    }
+    for impl, store in stores.items():
+        pages = [(f"kv-{i}", b) for i, b in enumerate(pages_src)]
+        calls.update(_store_batch_calls(store, impl, pages, pages_dst))
+    cases.append(Case(f"kv {KV_PAGES}x{KV_PAGE_BYTES // KiB} KiB", KV_PAGES * KV_PAGE_BYTES, calls))
+    return cases
+
+
+def measure(cases: list[Case], reps: int, progress) -> dict:
+    """{case: {impl: {op: [latency_s, ...]}}}; writes before reads, implementations interleaved."""
+    out: dict = {}
+    total = sum(len(c.calls) for c in cases) * (reps + 1)
+    with progress(total=total, desc="storage_io", unit="op") as bar:
+        for case in cases:
+            res = out.setdefault(case.name, {})
+            for op in ("write", "read"):
+                impls = [impl for (impl, o) in case.calls if o == op]
+                for rep in range(reps + 1):  # rep 0 warms up (files exist, buffers faulted in)
+                    k = rep % len(impls)
+                    for impl in impls[k:] + impls[:k]:
+                        t0 = time.perf_counter()
+                        case.calls[(impl, op)]()
+                        dt = time.perf_counter() - t0
+                        if rep:
+                            res.setdefault(impl, {}).setdefault(op, []).append(dt)
+                        bar.update(1)
+    return out
+
+
+def summarize(cases: list[Case], samples: dict) -> list[dict]:
+    rows = []
+    for case in cases:
+        for op in ("write", "read"):
+            base = statistics.median(samples[case.name]["raw"][op])
+            for impl, ops in samples[case.name].items():
+                lat = statistics.median(ops[op])
+                rows.append(dict(case=case.name, op=op, impl=impl, num_bytes=case.num_bytes,
+                                 median_latency_s=lat, throughput_gb_s=case.num_bytes / lat / 1e9,
+                                 ratio_vs_raw=base / lat,
+                                 p90_latency_s=sorted(ops[op])[int(0.9 * (len(ops[op]) - 1))]))
+    return rows
+
+
+def print_table(rows: list[dict], impls: list[str]) -> None:
+    stores = [i for i in impls if not i.startswith("raw")]
+    print("| case | op | " + " | ".join(f"{i} ms (GB/s)" for i in impls) + " | " +
+          " | ".join(f"{i} / raw" for i in stores) + " | " + " | ".join(f"{i} / raw-layout" for i in stores) + " |")
+    print("|" + "---|" * (2 + len(impls) + 2 * len(stores)))
+    by = {(r["case"], r["op"], r["impl"]): r for r in rows}
+    for case, op in dict.fromkeys((r["case"], r["op"]) for r in rows):
+        cells = [f"{by[(case, op, i)]['median_latency_s'] * 1e3:.2f} ({by[(case, op, i)]['throughput_gb_s']:.2f})"
+                 for i in impls]
+        layout = by[(case, op, "raw-layout")]["median_latency_s"]
+        vs_raw = [f"{by[(case, op, i)]['ratio_vs_raw']:.2f}" for i in stores]
+        vs_layout = [f"{layout / by[(case, op, i)]['median_latency_s']:.2f}" for i in stores]
+        print(f"| {case} | {op} | " + " | ".join(cells + vs_raw + vs_layout) + " |")
+
+
+def overheads(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per-call overhead (us) of each store backend over raw-layout, from the 4 KiB case."""
+    by = {(r["case"], r["op"], r["impl"]): r for r in rows}
+    small = next(r["case"] for r in rows if r["case"].startswith("call "))
+    out = {}
+    for (case, op, impl), r in by.items():
+        if case == small and not impl.startswith("raw"):
+            base = by[(case, op, "raw-layout")]["median_latency_s"]
+            out.setdefault(impl, {})[op] = (r["median_latency_s"] - base) * 1e6
+    return out
+
+
+def plot(rows: list[dict], impls: list[str], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [g for g in dict.fromkeys((r["case"], r["op"]) for r in rows) if not g[0].startswith("call ")]
+    by = {(r["case"], r["op"], r["impl"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(impls)
+    for j, impl in enumerate(impls):
+        ys = [by[(c, o, impl)]["throughput_gb_s"] if (c, o, impl) in by else 0 for c, o in groups]
+        ax.bar([i + j * width for i in range(len(groups))], ys, width, label=impl)
+    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{c}\n{o}" for c, o in groups], fontsize=8)
+    ax.set_ylabel("GB/s (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="directory on the device under test (default: a temp dir under /tmp)")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--backends", default="file,nixl", help="comma list of store backends to measure")
+    ap.add_argument("--num-workers", type=int, default=2)
+    ap.add_argument("--out", help="write raw samples and summary as JSON here")
+    ap.add_argument("--plot", help="write a throughput bar chart (PNG) here")
+    args = ap.parse_args(argv)
+    try:
+        from tqdm import tqdm as progress
+    except ImportError:
+        progress = _NoProgress
+    base = args.dir or tempfile.mkdtemp(prefix="histate-storage-io-", dir="/tmp")
+    os.makedirs(base, exist_ok=True)
+    backends = [b for b in args.backends.split(",") if b]
+    if "nixl" in backends and not nixl_available():
+        print("nixl unavailable: measuring the file backend only", file=sys.stderr)
+        backends.remove("nixl")
+    stores = {}
+    try:
+        raw_dir = os.path.join(base, "raw")
+        os.makedirs(raw_dir, exist_ok=True)
+        for b in backends:
+            cfg = StoreConfig(dirs=[os.path.join(base, b)], capacity_bytes=64 << 30, backend=b,
+                              num_workers=args.num_workers)
+            stores[b] = CheckpointStore(cfg)
+            if not all(stores[b].direct_io.values()):
+                print(f"warning: {base} refuses O_DIRECT; {b} runs buffered", file=sys.stderr)
+        cases = build_cases(stores, raw_dir, np.random.default_rng(0))
+        samples = measure(cases, args.reps, progress)
+        impls = ["raw", "raw-layout"] + backends
+        rows = summarize(cases, samples)
+        env = dict(host=platform.node(), kernel=platform.release(), cpus=os.cpu_count(), dir=base,
+                   fs=_fs_type(base), reps=args.reps, num_workers=args.num_workers)
+        print(f"\nenvironment: {env}\n")
+        print_table(rows, impls)
+        ov = overheads(rows)
+        print("\nper-call overhead over raw-layout (4 KiB object, median, us): " +
+              ", ".join(f"{impl} get {v.get('read', float('nan')):.0f} / put {v.get('write', float('nan')):.0f}"
+                        for impl, v in ov.items()))
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump(dict(env=env, rows=rows, overhead_us=ov, samples=samples), fh, indent=1)
+        if args.plot:
+            plot(rows, impls, args.plot, f"HiState storage vs raw O_DIRECT ({env['fs']}, {env['cpus']} CPUs, "
+                                         f"median of {args.reps})")
+    finally:
+        for s in stores.values():
+            s.close(flush=False)
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def _fs_type(path: str) -> str:
+    best, fs = "", "?"
+    with open("/proc/mounts") as fh:
+        for line in fh:
+            dev, mnt, typ = line.split()[:3]
+            if os.path.abspath(path).startswith(mnt) and len(mnt) > len(best):
+                best, fs = mnt, f"{typ} on {dev}"
+    return fs
+
+
+class _NoProgress:
+    def __init__(self, **_kw):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def update(self, _n):
+        pass
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
