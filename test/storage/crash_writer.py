@@ -22,22 +22,22 @@ def main() -> None:
     root, backend, acks_before_pause = sys.argv[1], sys.argv[2], int(sys.argv[3])
     out_lock = threading.Lock()
     pause = threading.Event()
-    real_crc = transfer.chunk_crc
+    real_checksum = transfer.chunk_checksum
 
     def say(line: str) -> None:
         with out_lock:
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
 
-    def crc_then_maybe_freeze(chunk):
+    def checksum_then_maybe_freeze(chunk, algo):
         # checksums run beside the piece writes and the header waits for all of them: freezing one
         # leaves a temp file with payload pieces on disk and no header, i.e. a torn write
         if pause.is_set() and threading.current_thread() is not threading.main_thread():
             say(f"paused {threading.current_thread().name}")
             threading.Event().wait()
-        return real_crc(chunk)
+        return real_checksum(chunk, algo)
 
-    transfer.chunk_crc = crc_then_maybe_freeze
+    transfer.chunk_checksum = checksum_then_maybe_freeze
     cfg = StoreConfig(dirs=[root], capacity_bytes=1 << 34, backend=backend, num_workers=2,
                       chunk_bytes=64 << 10, piece_bytes=128 << 10, max_inflight=2)
     store = CheckpointStore(cfg)

@@ -4,18 +4,22 @@ import struct
 import numpy as np
 import pytest
 
-from histate.storage.format import (ALIGN_BYTES, FormatError, Header, chunk_crc, decode_header, encode_header,
+from histate.storage.format import (ALIGN_BYTES, FormatError, Header, CHECKSUM_CRC32, CHECKSUM_XXH3, chunk_checksum, decode_header, encode_header,
                                     file_bytes_for, header_bytes_for, num_chunks_for)
 
 
-def _header(payload_bytes=3 * (1 << 20) + 5, chunk_bytes=1 << 20, key="ckpt/α β", shape=(3, 7)):
+def _header(payload_bytes=3 * (1 << 20) + 5, chunk_bytes=1 << 20, key="ckpt/α β", shape=(3, 7),
+            algo=CHECKSUM_CRC32):
     data = np.arange(payload_bytes, dtype=np.uint64).astype(np.uint8)
-    crcs = tuple(chunk_crc(data[i: i + chunk_bytes]) for i in range(0, payload_bytes, chunk_bytes))
-    return Header(key, payload_bytes, "<f4", shape, chunk_bytes, crcs)
+    sums = tuple(chunk_checksum(data[i: i + chunk_bytes], algo) for i in range(0, payload_bytes, chunk_bytes))
+    return Header(key, payload_bytes, "<f4", shape, chunk_bytes, sums, algo)
 
 
-def test_round_trip_and_sizes():
-    h = _header()
+@pytest.mark.parametrize("algo", [CHECKSUM_CRC32, CHECKSUM_XXH3])
+def test_round_trip_and_sizes(algo):
+    if algo == CHECKSUM_XXH3:
+        pytest.importorskip("xxhash")
+    h = _header(algo=algo)
     raw = encode_header(h)
     assert len(raw) == h.header_bytes == ALIGN_BYTES
     assert decode_header(raw) == h
@@ -63,5 +67,22 @@ def test_truncated_zeroed_and_foreign_headers_are_rejected():
 def test_chunk_count_must_match_payload():
     h = _header()
     with pytest.raises(FormatError):
-        encode_header(Header(h.key, h.payload_bytes, h.dtype_name, h.shape, h.chunk_bytes, h.chunk_crcs[:-1]))
+        encode_header(Header(h.key, h.payload_bytes, h.dtype_name, h.shape, h.chunk_bytes, h.chunk_checksums[:-1]))
     assert num_chunks_for(0, 4096) == 0 and num_chunks_for(4097, 4096) == 2
+
+
+def test_unknown_flags_are_rejected():
+    raw = bytearray(encode_header(_header()))
+    struct.pack_into("<H", raw, 10, 0x0100)
+    with pytest.raises(FormatError):
+        decode_header(bytes(raw))
+
+
+def test_checksums_differ_by_algorithm_and_detect_one_bit():
+    xxhash = pytest.importorskip("xxhash")
+    data = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+    flipped = data.copy()
+    flipped[12345] ^= 0x10
+    for algo in (CHECKSUM_CRC32, CHECKSUM_XXH3):
+        assert chunk_checksum(data, algo) != chunk_checksum(flipped, algo)
+    assert chunk_checksum(data, CHECKSUM_XXH3) == xxhash.xxh3_64_intdigest(data.tobytes()) & 0xFFFFFFFF

@@ -134,3 +134,15 @@ def test_files_are_whole_blocks_and_no_temp_files_remain(make_store, tmp_path):
     assert all(os.path.getsize(f) % 4096 == 0 for f in files)
     assert sum(os.path.getsize(f) for f in files) == store.used_bytes
     assert not [f for f in files_under(tmp_path / "store") if ".tmp-" in f]
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "xxh3"])
+def test_either_checksum_round_trips_and_is_readable_by_default_config(make_store, tmp_path, checksum):
+    if checksum == "xxh3":
+        pytest.importorskip("xxhash")
+    a = np.random.default_rng(8).standard_normal(700_000).astype(np.float32)
+    with CheckpointStore(StoreConfig(dirs=[str(tmp_path / "c")], capacity_bytes=1 << 30, checksum=checksum,
+                                     chunk_bytes=65536, piece_bytes=262144)) as s:
+        assert s.put("k", a).stored
+    store = make_store(dirs=[str(tmp_path / "c")])  # reads follow the algorithm each file names
+    assert store.get("k").array().tobytes() == a.tobytes()

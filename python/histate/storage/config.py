@@ -22,6 +22,7 @@ class StoreConfig:
     piece_bytes: int = 8 << 20  # pipeline I/O unit
     max_inflight: int = 4  # pipeline depth, pieces
     checksum_threads: int = 2  # shared pool that checksums pieces beside the I/O (0: in the I/O thread)
+    checksum: str = "auto"  # payload checksum of new files: "xxh3" (needs xxhash), "crc32"; auto = xxh3 if installed
     max_write_backlog_bytes: int = 1 << 30  # queued + running put payload bytes
     max_write_backlog_items: int = 4096
     backlog_policy: str = "drop"  # "drop": refuse the put (counted); "delay": block the submitter
@@ -41,6 +42,8 @@ class StoreConfig:
             problems.append(f"backlog_policy={self.backlog_policy!r}: one of {BACKLOG_POLICIES}")
         if self.num_workers < 1 or self.file_io_threads < 0 or self.max_inflight < 1 or self.checksum_threads < 0:
             problems.append("num_workers >= 1, file_io_threads >= 0, max_inflight >= 1, checksum_threads >= 0")
+        if self.checksum not in ("auto", "xxh3", "crc32"):
+            problems.append(f"checksum={self.checksum!r}: one of auto, xxh3, crc32")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             problems.append(f"chunk_bytes={self.chunk_bytes}: a positive multiple of 4096")
         if problems:

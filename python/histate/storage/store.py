@@ -30,7 +30,7 @@ from histate.storage.batch import IoBatch
 from histate.storage.buffers import aligned_empty, destination_view, source_view
 from histate.storage.config import StoreConfig
 from histate.storage.file_backend import FileSession
-from histate.storage.format import file_bytes_for
+from histate.storage.format import CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, file_bytes_for, xxhash
 from histate.storage.index import Entry, Index, new_entry, rebuild
 from histate.storage.io_base import IoSession, probe_direct_io
 from histate.storage.layout import LOCK_NAME, Layout, validate_key
@@ -98,7 +98,11 @@ class CheckpointStore:
                         [r for r, ok in self._direct.items() if not ok])
         self._crc_pool = (ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="histate-crc")
                           if config.checksum_threads else None)
-        self._pipe = PipelineConfig(config.chunk_bytes, config.piece_bytes, config.max_inflight, self._crc_pool)
+        algo = DEFAULT_CHECKSUM if config.checksum == "auto" else CHECKSUM_NAMES[config.checksum]
+        if algo == CHECKSUM_XXH3 and xxhash is None:
+            raise ValueError("StoreConfig.checksum='xxh3' needs the xxhash package (pip install xxhash)")
+        self._pipe = PipelineConfig(config.chunk_bytes, config.piece_bytes, config.max_inflight, self._crc_pool,
+                                    algo)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._room = threading.Condition(self._lock)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from histate.storage.buffers import is_aligned
-from histate.storage.format import (ALIGN_BYTES, FormatError, Header, align_up, chunk_crc, decode_header,
+from histate.storage.format import (ALIGN_BYTES, FormatError, Header, align_up, DEFAULT_CHECKSUM, chunk_checksum, decode_header,
                                     encode_header, header_bytes_for, num_chunks_for)
 from histate.storage.io_base import IoSession, OpenFile, Segment
 from histate.storage.results import Fault, IoFault
@@ -29,6 +29,7 @@ class PipelineConfig:
     piece_bytes: int = 8 << 20  # I/O unit of the pipeline; rounded to a multiple of chunk_bytes
     max_inflight: int = 4  # pieces posted but not yet completed
     checksum_pool: Executor | None = None  # checksums run here, beside the I/O; None = inline
+    checksum_algo: int = DEFAULT_CHECKSUM  # for new files (reads use the file's own)
 
 
 @dataclass
@@ -78,13 +79,14 @@ def _plan_piece(sess: IoSession, f: OpenFile, host: np.ndarray, start: int, stop
     return piece
 
 
-def _piece_crcs(src: np.ndarray, start: int, stop: int, chunk_bytes: int, progress=None) -> list[int]:
-    crcs = []
+def _piece_checksums(src: np.ndarray, start: int, stop: int, chunk_bytes: int, algo: int,
+                     progress=None) -> list[int]:
+    sums = []
     for i in range(start, stop, chunk_bytes):
-        crcs.append(chunk_crc(src[i: min(i + chunk_bytes, stop)]))
+        sums.append(chunk_checksum(src[i: min(i + chunk_bytes, stop)], algo))
         if progress is not None:
             progress()
-    return crcs
+    return sums
 
 
 def _spawn(cfg: PipelineConfig, fn, *args):
@@ -141,10 +143,11 @@ def _write_payload_and_header(sess: IoSession, f: OpenFile, src: np.ndarray, key
     payload_bytes = src.size
     chunk_bytes = cfg.chunk_bytes
     step = _piece_bytes(cfg, chunk_bytes)
-    piece_crcs: list = []
+    algo = cfg.checksum_algo
+    piece_sums: list = []
     if payload_bytes <= step:  # small object: one vectored call for header + payload
-        crcs = [chunk_crc(src[i: i + chunk_bytes]) for i in range(0, payload_bytes, chunk_bytes)]
-        header = Header(key, payload_bytes, dtype_name, tuple(shape), chunk_bytes, tuple(crcs))
+        sums = _piece_checksums(src, 0, payload_bytes, chunk_bytes, algo)
+        header = Header(key, payload_bytes, dtype_name, tuple(shape), chunk_bytes, tuple(sums), algo)
         segments = [(0, _staged_header(sess, header))]
         if payload_bytes:
             segments += _plan_piece(sess, f, src, 0, payload_bytes, header_bytes, 0, True).segments
@@ -156,11 +159,12 @@ def _write_payload_and_header(sess: IoSession, f: OpenFile, src: np.ndarray, key
         stop = min(start + step, payload_bytes)
         piece = _plan_piece(sess, f, src, start, stop, header_bytes, slot % cfg.max_inflight, True)
         # checksum piece k beside its write (in the pool, or here between polls of the queue)
-        piece_crcs.append(_spawn(cfg, _piece_crcs, src, start, stop, chunk_bytes, lambda: _progress(sess, inflight)))
+        piece_sums.append(_spawn(cfg, _piece_checksums, src, start, stop, chunk_bytes, algo,
+                                 lambda: _progress(sess, inflight)))
         piece.token = sess.submit(f, "WRITE", piece.segments)
         inflight.append(piece)
-    crcs = [c for job in piece_crcs for c in _result(job)]
-    header = Header(key, payload_bytes, dtype_name, tuple(shape), chunk_bytes, tuple(crcs))
+    sums = [c for job in piece_sums for c in _result(job)]
+    header = Header(key, payload_bytes, dtype_name, tuple(shape), chunk_bytes, tuple(sums), algo)
     hdr = _staged_header(sess, header)
     while inflight:
         sess.wait(inflight.popleft().token)
@@ -189,7 +193,11 @@ def _copy_back(piece: _Piece) -> None:
 def _verify_piece(out: np.ndarray, piece: _Piece, header: Header, progress=None) -> None:
     cb = header.chunk_bytes
     for i in range(piece.start, piece.stop, cb):
-        if chunk_crc(out[i: min(i + cb, piece.stop)]) != header.chunk_crcs[i // cb]:
+        try:
+            found = chunk_checksum(out[i: min(i + cb, piece.stop)], header.checksum_algo)
+        except FormatError as exc:
+            raise IoFault(Fault.CORRUPT, f"{header.key!r}: {exc}") from None
+        if found != header.chunk_checksums[i // cb]:
             raise IoFault(Fault.CORRUPT, f"payload checksum mismatch in chunk {i // cb} of {header.key!r}")
         if progress is not None:
             progress()
