@@ -41,11 +41,11 @@ def test_discrete_choice_tracks_continuous_optimum():
 
 def test_controller_learns_pressure_and_always_plans_the_terminal():
     ctl = IntervalController(checkpoint_pages_equiv=4.0, supported=(8, 16, 32, 64), ema_alpha=0.5)
-    assert ctl.pressure_ratio == 1.0
+    assert ctl.pressure_ratio() == 1.0
     assert ctl.plan(10, 74) == [42, 74]  # I = 32 from the segment start, terminal 74
     ctl.kv_residence_s.observe(400.0)
     ctl.state_residence_s.observe(100.0)
-    assert ctl.pressure_ratio == 4.0
+    assert ctl.pressure_ratio() == 4.0
     assert ctl.plan(10, 74) == [74]
     assert ctl.plan(5, 5) == []
     assert math.isclose(continuous_optimum_pages(64, 4.0, 1.0), math.sqrt(512))

@@ -37,6 +37,7 @@ class RequestLease:
     page_keys: list
     match: MatchResult
     locked_node: Optional[Node]
+    now_s: float = 0.0
     is_open: bool = True
     pinned: list = field(default_factory=list)
 
@@ -61,6 +62,7 @@ class HybridPrefixCache(Placement):
         self._seq = count()
         self._ops: list = []
         self.num_open_leases = 0
+        self.last_now_s = 0.0  # the latest time a caller passed in (injected clock, never wall time)
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -115,6 +117,7 @@ class HybridPrefixCache(Placement):
         Mutates: lock counts on the path, access times, KV tier masks (promotion), the terminal-hit EMA.
         """
         keys = list(page_keys)
+        self.last_now_s = now_s
         result, path, partial, ckpt_node = self._match(keys)
         lock_node = partial if partial is not None else (path[-1] if path else None)
         self._lock(lock_node, +1)
@@ -137,7 +140,7 @@ class HybridPrefixCache(Placement):
                 break
             if not node.kv_mask & 1:
                 self._promote_kv(node, now_s)
-        return RequestLease(keys, result, lock_node)
+        return RequestLease(keys, result, lock_node, now_s)
 
     def plan_checkpoints(self, lease: RequestLease, num_pages: Optional[int] = None) -> list[int]:
         """Checkpoint depths (pages) the forward pass over (c, num_pages] must produce."""
@@ -145,7 +148,7 @@ class HybridPrefixCache(Placement):
         if self.policy.dense_checkpoints:
             return []
         ctx = AdmissionContext(lease.match.num_reused_pages, lease.match.num_kv_pages, end,
-                               self.controller, self.config)
+                               self.controller, self.config, lease.now_s)
         return self.policy.admit(ctx)
 
     def finish_request(self, lease: RequestLease, page_keys: Optional[Sequence], now_s: float,
@@ -155,6 +158,7 @@ class HybridPrefixCache(Placement):
         Mutates: tree structure, tier masks, ledger, lock counts, the residence-time EMAs (evictions).
         """
         assert lease.is_open, "finish_request on a closed lease"
+        self.last_now_s = now_s
         keys = lease.page_keys if page_keys is None else list(page_keys)
         written_before = dict(self.stats.bytes_written_by_tier)
         path, num_new = self._insert_kv(keys, now_s, lease)
@@ -189,6 +193,7 @@ class HybridPrefixCache(Placement):
 
         Mutates: what `_make_room` mutates.
         """
+        self.last_now_s = now_s
         return self._make_room(self.ledger.pool_of(tier, kind), size_bytes, now_s)
 
     def drain_ops(self) -> list[TierOp]:

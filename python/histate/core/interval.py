@@ -63,21 +63,33 @@ class IntervalController:
     def __init__(self, checkpoint_pages_equiv: float, supported: Sequence[int], ema_alpha: float):
         self.checkpoint_pages_equiv = checkpoint_pages_equiv
         self.supported = tuple(supported)
-        self.kv_residence_s = Ema(ema_alpha)
-        self.state_residence_s = Ema(ema_alpha)
+        self.kv_residence_s = Ema(ema_alpha)  # how long KV keeps its place in fast memory (GPU + CPU)
+        self.state_residence_s = Ema(ema_alpha)  # how long a checkpoint survives in its home tier (SSD)
+        self.first_state_write_s: Optional[float] = None
 
-    @property
-    def pressure_ratio(self) -> float:
-        """T_KV / T_state; 1 until both residence times have been observed at least once."""
+    def note_state_written(self, now_s: float) -> None:
+        if self.first_state_write_s is None:
+            self.first_state_write_s = now_s
+
+    def pressure_ratio(self, now_s: Optional[float] = None) -> float:
+        """T_KV / T_state; 1 until T_KV has been observed.
+
+        While no checkpoint has left its home tier, T_state is censored: every checkpoint written so
+        far is still there, so its residence is at least the age of the first one. Using that lower
+        bound (instead of 1) lets an SSD that is far from full buy denser checkpoints.
+        """
         kv, st = self.kv_residence_s.value, self.state_residence_s.value
+        if st is None and now_s is not None and self.first_state_write_s is not None:
+            st = now_s - self.first_state_write_s
         if kv is None or st is None or st <= 0 or kv <= 0:
             return 1.0
         return kv / st
 
-    def plan(self, start_pages: int, end_pages: int) -> list[int]:
+    def plan(self, start_pages: int, end_pages: int, now_s: Optional[float] = None) -> list[int]:
         """Checkpoint depths for the segment (start, end]; the terminal `end_pages` always included."""
         num_pages = end_pages - start_pages
         if num_pages <= 0:
             return []
-        interval = choose_interval_pages(num_pages, self.checkpoint_pages_equiv, self.pressure_ratio, self.supported)
+        ratio = self.pressure_ratio(now_s)
+        interval = choose_interval_pages(num_pages, self.checkpoint_pages_equiv, ratio, self.supported)
         return list(range(start_pages + interval, end_pages, interval)) + [end_pages]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from .tree import Node
 from .types import ItemKind, Tier, TierOp, UnitKind, tiers_in
 
+FAST_MASK = (1 << Tier.GPU) | (1 << Tier.CPU)  # fast memory: where KV must stay to be cheap to reuse
+
 
 class Placement:
     # --- item bookkeeping (the only place masks and the ledger change) -----------------------
@@ -34,6 +36,8 @@ class Placement:
         self.ledger.add(self.ledger.pool_of(tier, kind), size)
         self._set_mask(node, kind, self._mask(node, kind) | (1 << tier))
         self.stats.on_write(kind, tier, size)
+        if kind is ItemKind.CHECKPOINT and tier == self.policy.historical_tier:
+            self.controller.note_state_written(self.last_now_s)
         return size
 
     def _sub(self, node: Node, kind: ItemKind, tier: Tier) -> int:
@@ -87,6 +91,7 @@ class Placement:
             self._put(node, ItemKind.KV, Tier.GPU, "copy", src)
         else:
             self._move(node, ItemKind.KV, src, Tier.GPU)
+        node.kv_created_s = now_s  # a new stay on the GPU starts (T_KV)
         self.stats.bytes_promoted += size
         self._touch(node)
         if node.parent is not None:
@@ -117,6 +122,8 @@ class Placement:
             if outcome in ("shed", "demote") and not node.children and node.ckpt_mask & (1 << tier):
                 self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
         node.lock_count -= 1
+        if unit is UnitKind.BUNDLE and outcome != "stuck" and not node.kv_mask & FAST_MASK:
+            self.controller.kv_residence_s.observe(now_s - node.kv_created_s)  # T_KV: time KV held fast memory
         if outcome == "stuck":
             node.is_parked = True  # nothing moved; re-offered when touched or unlocked
             return
@@ -155,7 +162,6 @@ class Placement:
             for tier in tiers_in(node.ckpt_mask):
                 self._drop(node, ItemKind.CHECKPOINT, tier)
             self.controller.state_residence_s.observe(now_s - node.ckpt_created_s)
-        self.controller.kv_residence_s.observe(now_s - node.kv_created_s)
         parent = node.parent
         self.tree.remove_leaf(node)
         if parent.parent is not None:

@@ -26,6 +26,7 @@ class AdmissionContext:
     end_pages: int  # the request's page-aligned input length (terminal position)
     controller: object  # IntervalController
     config: object  # CacheConfig
+    now_s: float = 0.0
 
 
 class Policy:

@@ -21,7 +21,7 @@ class HiState(Policy):
     refresh_all = True
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
-        positions = ctx.controller.plan(ctx.start_pages, ctx.end_pages)
+        positions = ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s)
         if ctx.start_pages < ctx.kv_match_pages < ctx.end_pages:  # an observed branch point
             positions = sorted(set(positions) | {ctx.kv_match_pages})
         return positions
