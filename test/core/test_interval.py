@@ -49,3 +49,15 @@ def test_controller_learns_pressure_and_always_plans_the_terminal():
     assert ctl.plan(10, 74) == [74]
     assert ctl.plan(5, 5) == []
     assert math.isclose(continuous_optimum_pages(64, 4.0, 1.0), math.sqrt(512))
+
+
+def test_state_residence_is_censored_until_a_checkpoint_leaves_the_ssd():
+    ctl = IntervalController(checkpoint_pages_equiv=4.0, supported=(8, 16, 32, 64), ema_alpha=0.5)
+    ctl.kv_residence_s.observe(100.0)
+    assert ctl.pressure_ratio(now_s=50.0) == 1.0  # no checkpoint written yet: nothing known
+    ctl.note_state_written(0.0)
+    ctl.note_state_written(30.0)  # only the first write dates the censored bound
+    assert ctl.pressure_ratio(now_s=400.0) == 0.25  # every state survived 400 s: T_state >= 400
+    assert ctl.plan(10, 74, now_s=400.0) == [26, 42, 58, 74]  # ratio 1/4: I=8 and I=16 both cost 10.5; tie -> 16
+    ctl.state_residence_s.observe(50.0)
+    assert ctl.pressure_ratio(now_s=400.0) == 2.0  # observed evictions replace the bound
