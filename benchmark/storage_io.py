@@ -3,13 +3,16 @@
 For each case the same bytes are moved by every implementation, interleaved rep by rep (order rotated)
 so that drift on a shared disk hits all of them alike; cells are medians.
 
-  raw         plain sequential O_DIRECT: one pwrite (O_TRUNC, same file every rep) / one preadv of all
-              the bytes, page-aligned buffer; KV batches: all pages in one sequential file
-  raw-layout  the store's file-system work without the store: one file per object (per page), written
-              to a temp name + rename over the old one, read back with one preadv; O_DIRECT, no header,
-              no checksum, no queue
+  raw         plain sequential O_DIRECT: one pwrite into a new file / one preadv of all the bytes,
+              page-aligned buffer; KV batches: all pages in one sequential file
+  raw-layout  the store's file-system work without the store: one file per object (per page) holding
+              a header block + payload, written to a temp name then renamed, read back with one preadv;
+              O_DIRECT, no checksum, no queue, one thread
   file, nixl  CheckpointStore.put / .get(out=...) end to end (sync calls; KV pages as one batch):
               checksums, header block, temp file + preallocation, rename, index, O_DIRECT
+
+Every write creates a new object (as new checkpoints do); the previous one is deleted outside the
+timed region. Reads fetch the newest object into a preallocated, page-aligned buffer.
 
 Per-call overhead = median(store call on a 4 KiB object) - median(raw-layout call on the same 8 KiB
 file: header block + payload block). Throughput ratio = raw median latency / store median latency.
@@ -41,25 +44,13 @@ SMALL_BYTES = 4 * KiB
 
 
 def _raw_write(path: str, buf: np.ndarray) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
     try:
         done = 0
         while done < buf.size:
             done += os.pwrite(fd, buf[done:], done)
     finally:
         os.close(fd)
-
-
-def _raw_publish(path: str, buf: np.ndarray) -> None:
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-    try:
-        done = 0
-        while done < buf.size:
-            done += os.pwrite(fd, buf[done:], done)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
 
 
 def _raw_read(path: str, buf: np.ndarray) -> None:
@@ -75,97 +66,131 @@ def _raw_read(path: str, buf: np.ndarray) -> None:
         os.close(fd)
 
 
+class RawFiles:
+    """Objects as plain files: write(rep) creates object `rep` (one O_DIRECT pwrite per file, optionally to
+    a temp name + rename), read() reads the newest back, drop(rep) deletes object `rep` (untimed)."""
+
+    def __init__(self, root: str, name: str, srcs: list[np.ndarray], dsts: list[np.ndarray], publish: bool):
+        self.root, self.name, self.srcs, self.dsts, self.publish = root, name, srcs, dsts, publish
+        self.last = 0
+
+    def _path(self, rep: int, i: int) -> str:
+        return os.path.join(self.root, f"{self.name}-{rep}-{i}")
+
+    def write(self, rep: int) -> None:
+        for i, buf in enumerate(self.srcs):
+            final = self._path(rep, i)
+            _raw_write(final + ".tmp" if self.publish else final, buf)
+            if self.publish:
+                os.rename(final + ".tmp", final)
+        self.last = rep
+
+    def read(self, _rep: int) -> None:
+        for i, buf in enumerate(self.dsts):
+            _raw_read(self._path(self.last, i), buf)
+
+    def drop(self, rep: int) -> None:
+        for i in range(len(self.srcs)):
+            os.unlink(self._path(rep, i))
+
+
+class StoreObjects:
+    """The same through the store: one put/get for one object, one batch for a list of pages."""
+
+    def __init__(self, store: CheckpointStore, name: str, srcs: list[np.ndarray], dsts: list[np.ndarray]):
+        self.store, self.name, self.srcs, self.dsts = store, name, srcs, dsts
+        self.last = 0
+
+    def _keys(self, rep: int) -> list[str]:
+        return [f"{self.name}-{rep}-{i}" for i in range(len(self.srcs))]
+
+    def write(self, rep: int) -> None:
+        keys = self._keys(rep)
+        if len(keys) == 1:
+            r = self.store.put(keys[0], self.srcs[0])
+            assert r.stored, r
+        else:
+            assert all(r.stored for r in self.store.submit_put(list(zip(keys, self.srcs))).wait())
+        self.last = rep
+
+    def read(self, _rep: int) -> None:
+        keys = self._keys(self.last)
+        if len(keys) == 1:
+            r = self.store.get(keys[0], out=self.dsts[0])
+            assert r.hit, r
+        else:
+            assert all(r.hit for r in self.store.submit_get(keys, out=self.dsts).wait())
+
+    def drop(self, rep: int) -> None:
+        for k in self._keys(rep):
+            self.store.delete(k)
+
+
 class Case:
-    """One workload: named (impl, op) -> callable; each call moves the case's bytes once."""
+    """One workload: impl name -> object with write(rep) / read(rep) / drop(rep) moving the same bytes."""
 
-    def __init__(self, name: str, num_bytes: int, calls: dict[tuple[str, str], callable]):
-        self.name, self.num_bytes, self.calls = name, num_bytes, calls
-
-
-def _store_calls(store: CheckpointStore, impl: str, key: str, src: np.ndarray, dst: np.ndarray):
-    def put():
-        r = store.put(key, src)
-        assert r.stored, r
-
-    def get():
-        r = store.get(key, out=dst)
-        assert r.hit, r
-
-    return {(impl, "write"): put, (impl, "read"): get}
+    def __init__(self, name: str, num_bytes: int, impls: dict):
+        self.name, self.num_bytes, self.impls = name, num_bytes, impls
 
 
-def _store_batch_calls(store: CheckpointStore, impl: str, pages, outs):
-    keys = [k for k, _ in pages]
-
-    def put():
-        assert all(r.stored for r in store.submit_put(pages).wait())
-
-    def get():
-        assert all(r.hit for r in store.submit_get(keys, out=outs).wait())
-
-    return {(impl, "write"): put, (impl, "read"): get}
+def _aligned_random(rng, num_bytes: int) -> np.ndarray:
+    buf = aligned_empty(num_bytes)
+    buf[:] = rng.integers(0, 256, num_bytes, dtype=np.uint8)
+    return buf
 
 
 def build_cases(stores: dict[str, CheckpointStore], raw_dir: str, rng) -> list[Case]:
+    """Every write creates a new object (new checkpoints get new keys); the previous one is deleted
+    outside the timed region, as eviction would. Reads fetch the newest object into a fixed buffer."""
     cases = []
     for size in [SMALL_BYTES] + CHECKPOINT_SIZES:
-        src = aligned_empty(size)
-        src[:] = rng.integers(0, 256, size, dtype=np.uint8)
-        dst = aligned_empty(size)
-        raw_path = os.path.join(raw_dir, f"raw-{size}")
-        layout_path = os.path.join(raw_dir, f"layout-{size}")
-        # the store's file for this object: one header block + the payload (already block aligned)
+        src, dst = _aligned_random(rng, size), aligned_empty(size)
+        # what the store's file holds: one header block + the (block aligned) payload
         file_src, file_dst = aligned_empty(size + 4096), aligned_empty(size + 4096)
-        file_src[:] = 0
-        calls = {("raw", "write"): lambda p=raw_path, b=src: _raw_write(p, b),
-                 ("raw", "read"): lambda p=raw_path, b=dst: _raw_read(p, b),
-                 ("raw-layout", "write"): lambda p=layout_path, b=file_src: _raw_publish(p, b),
-                 ("raw-layout", "read"): lambda p=layout_path, b=file_dst: _raw_read(p, b)}
-        for impl, store in stores.items():
-            calls.update(_store_calls(store, impl, f"ckpt-{size}", src, dst))
+        file_src[:4096] = 0
+        file_src[4096:] = src
         label = f"{size // KiB} KiB" if size < MiB else f"{size // MiB} MiB"
-        cases.append(Case(("call " if size == SMALL_BYTES else "ckpt ") + label, size, calls))
-    pages_src = [aligned_empty(KV_PAGE_BYTES) for _ in range(KV_PAGES)]
-    for p in pages_src:
-        p[:] = rng.integers(0, 256, KV_PAGE_BYTES, dtype=np.uint8)
-    pages_dst = [aligned_empty(KV_PAGE_BYTES) for _ in range(KV_PAGES)]
-    page_files_src = [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)]
-    page_files_dst = [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)]
-    for p in page_files_src:
-        p[:] = 0
-    seq_src = aligned_empty(KV_PAGES * KV_PAGE_BYTES)
-    seq_src[:] = 0
-    seq_dst = aligned_empty(KV_PAGES * KV_PAGE_BYTES)
-    seq_path = os.path.join(raw_dir, "raw-kv-seq")
-    page_paths = [os.path.join(raw_dir, f"layout-kv-{i}") for i in range(KV_PAGES)]
-    calls = {
-        ("raw", "write"): lambda: _raw_write(seq_path, seq_src),
-        ("raw", "read"): lambda: _raw_read(seq_path, seq_dst),
-        ("raw-layout", "write"): lambda: [_raw_publish(p, b) for p, b in zip(page_paths, page_files_src)],
-        ("raw-layout", "read"): lambda: [_raw_read(p, b) for p, b in zip(page_paths, page_files_dst)],
-    }
+        impls = {"raw": RawFiles(raw_dir, f"raw-{size}", [src], [dst], publish=False),
+                 "raw-layout": RawFiles(raw_dir, f"layout-{size}", [file_src], [file_dst], publish=True)}
+        for impl, store in stores.items():
+            impls[impl] = StoreObjects(store, f"ckpt-{size}", [src], [dst])
+        cases.append(Case(("call " if size == SMALL_BYTES else "ckpt ") + label, size, impls))
+    pages = [_aligned_random(rng, KV_PAGE_BYTES) for _ in range(KV_PAGES)]
+    outs = [aligned_empty(KV_PAGE_BYTES) for _ in range(KV_PAGES)]
+    page_files = [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)]
+    for f, p in zip(page_files, pages):
+        f[:4096] = 0
+        f[4096:] = p
+    seq = aligned_empty(KV_PAGES * KV_PAGE_BYTES)
+    seq[:] = np.concatenate(pages)
+    impls = {"raw": RawFiles(raw_dir, "raw-kv", [seq], [aligned_empty(seq.size)], publish=False),
+             "raw-layout": RawFiles(raw_dir, "layout-kv", page_files,
+                                    [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)], publish=True)}
     for impl, store in stores.items():
-        pages = [(f"kv-{i}", b) for i, b in enumerate(pages_src)]
-        calls.update(_store_batch_calls(store, impl, pages, pages_dst))
-    cases.append(Case(f"kv {KV_PAGES}x{KV_PAGE_BYTES // KiB} KiB", KV_PAGES * KV_PAGE_BYTES, calls))
+        impls[impl] = StoreObjects(store, "kv", pages, outs)
+    cases.append(Case(f"kv {KV_PAGES}x{KV_PAGE_BYTES // KiB} KiB", KV_PAGES * KV_PAGE_BYTES, impls))
     return cases
 
 
 def measure(cases: list[Case], reps: int, progress) -> dict:
-    """{case: {impl: {op: [latency_s, ...]}}}; writes before reads, implementations interleaved."""
+    """{case: {impl: {op: [latency_s, ...]}}}; writes before reads, implementations interleaved and
+    rotated every rep; rep 0 warms up (directories exist, buffers are faulted in) and is not kept."""
     out: dict = {}
-    total = sum(len(c.calls) for c in cases) * (reps + 1)
+    total = sum(len(c.impls) for c in cases) * 2 * (reps + 1)
     with progress(total=total, desc="storage_io", unit="op") as bar:
         for case in cases:
             res = out.setdefault(case.name, {})
+            names = list(case.impls)
             for op in ("write", "read"):
-                impls = [impl for (impl, o) in case.calls if o == op]
-                for rep in range(reps + 1):  # rep 0 warms up (files exist, buffers faulted in)
-                    k = rep % len(impls)
-                    for impl in impls[k:] + impls[:k]:
+                for rep in range(reps + 1):
+                    k = rep % len(names)
+                    for impl in names[k:] + names[:k]:
+                        obj = case.impls[impl]
                         t0 = time.perf_counter()
-                        case.calls[(impl, op)]()
+                        getattr(obj, op)(rep)
                         dt = time.perf_counter() - t0
+                        if op == "write" and rep:
+                            obj.drop(rep - 1)
                         if rep:
                             res.setdefault(impl, {}).setdefault(op, []).append(dt)
                         bar.update(1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 
 try:
     import xxhash
@@ -65,11 +66,11 @@ class Header:
     def num_chunks(self) -> int:
         return len(self.chunk_checksums)
 
-    @property
+    @cached_property  # frozen dataclass: cached in the instance __dict__, not a field
     def header_bytes(self) -> int:
         return header_bytes_for(self.key, self.dtype_name, len(self.shape), self.num_chunks)
 
-    @property
+    @cached_property
     def file_bytes(self) -> int:
         return self.header_bytes + align_up(self.payload_bytes)
 
