@@ -45,6 +45,10 @@ test-gpu: venv  ## GPU-only tests (kernels, exactness on CUDA); skipped without 
 
 bench: venv  ## run every benchmark and print tables (numbers go to docs/results.md by hand)
 	$(VPY) benchmark/core_ops.py
+	$(VPY) benchmark/paper_weka.py
+	$(VPY) benchmark/mutation.py
+	$(VPY) benchmark/ablation.py
+	$(VPY) benchmark/sim_substrate.py
 
 size:  ## line counts per module
 	@find python/histate -name '*.py' | xargs wc -l | sort -n
