@@ -267,6 +267,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--backends", default="file,nixl", help="comma list of store backends to measure")
     ap.add_argument("--num-workers", type=int, default=2)
+    ap.add_argument("--piece-mib", type=int, help="StoreConfig.piece_bytes in MiB (default: the store's)")
+    ap.add_argument("--max-inflight", type=int, help="StoreConfig.max_inflight (default: the store's)")
+    ap.add_argument("--file-io-threads", type=int, help="StoreConfig.file_io_threads (default: the store's)")
+    ap.add_argument("--checksum-threads", type=int, help="StoreConfig.checksum_threads (default: the store's)")
     ap.add_argument("--out", help="write raw samples and summary as JSON here")
     ap.add_argument("--plot", help="write a throughput bar chart (PNG) here")
     args = ap.parse_args(argv)
@@ -285,8 +289,11 @@ def main(argv=None) -> int:
         raw_dir = os.path.join(base, "raw")
         os.makedirs(raw_dir, exist_ok=True)
         for b in backends:
+            tuning = {k: v for k, v in dict(piece_bytes=args.piece_mib and args.piece_mib * MiB,
+                                            max_inflight=args.max_inflight, file_io_threads=args.file_io_threads,
+                                            checksum_threads=args.checksum_threads).items() if v is not None}
             cfg = StoreConfig(dirs=[os.path.join(base, b)], capacity_bytes=64 << 30, backend=b,
-                              num_workers=args.num_workers)
+                              num_workers=args.num_workers, **tuning)
             stores[b] = CheckpointStore(cfg)
             if not all(stores[b].direct_io.values()):
                 print(f"warning: {base} refuses O_DIRECT; {b} runs buffered", file=sys.stderr)
@@ -294,8 +301,12 @@ def main(argv=None) -> int:
         samples = measure(cases, args.reps, progress)
         impls = ["raw", "raw-layout"] + backends
         rows = summarize(cases, samples)
+        c = next(iter(stores.values())).config if stores else None
         env = dict(host=platform.node(), kernel=platform.release(), cpus=os.cpu_count(), dir=base,
-                   fs=_fs_type(base), reps=args.reps, num_workers=args.num_workers)
+                   fs=_fs_type(base), reps=args.reps, num_workers=args.num_workers,
+                   load_avg=os.getloadavg()[0], **({} if c is None else dict(
+                       piece_bytes=c.piece_bytes, max_inflight=c.max_inflight, file_io_threads=c.file_io_threads,
+                       checksum_threads=c.checksum_threads, checksum=c.checksum)))
         print(f"\nenvironment: {env}\n")
         print_table(rows, impls)
         ov = overheads(rows)

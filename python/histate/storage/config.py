@@ -16,7 +16,7 @@ class StoreConfig:
     backend: str = "auto"  # "auto": NIXL POSIX when it starts, plain files otherwise; "nixl" | "file" force
     direct_io: bool | None = None  # None: O_DIRECT wherever the file system accepts it
     num_workers: int = 2  # I/O worker threads (each with its own NIXL agent or file session)
-    file_io_threads: int = 1  # per worker, plain backend: helper threads that overlap I/O with checksums
+    file_io_threads: int = 2  # per worker, plain backend: helper threads that move pieces while the worker checksums
     nixl_params: dict[str, str] = field(default_factory=dict)  # POSIX plugin params, e.g. {"use_uring": "true"}
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # checksum granularity
     piece_bytes: int = 8 << 20  # pipeline I/O unit
