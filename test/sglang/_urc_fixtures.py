@@ -46,16 +46,21 @@ class Pools:
         return self.req_to_token_pool.mamba_pool
 
 
+TINY_STATE = dict(intermediate_size=16, num_heads=2, head_dim=8, state_size=4)
+# A state of ~1,540 KV-token equivalents, like Qwen3.5-9B (49 MiB state vs 32 KiB/token of KV).
+QWEN35_LIKE_STATE = dict(intermediate_size=256, num_heads=4, head_dim=64, state_size=48)
+
+
 def build_pools(kv_tokens: int, mamba_slots: int, page_size: int = PAGE, max_reqs: int = 8,
-                max_context: int = 8192) -> Pools:
+                max_context: int = 8192, state_shape: Optional[dict] = None) -> Pools:
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.environ import envs
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
     with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
-        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2,
-                                        head_dim=8, state_size=4, conv_kernel=4)
+        shape = Mamba2StateShape.create(tp_world_size=1, n_groups=1, conv_kernel=4,
+                                        **(state_shape or TINY_STATE))
         cache_params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
     req_to_token_pool = HybridReqToTokenPool(
         size=max_reqs, mamba_size=mamba_slots, mamba_spec_state_size=max_reqs, max_context_len=max_context,
@@ -152,10 +157,10 @@ class Driver:
         return slot.view(-1)
 
     def serve(self, tokens: list[int], checkpoints: Optional[list[int]] = None,
-              plan: Optional[Callable[[int, int], list[int]]] = None,
+              plan: Optional[Callable[[int, int, int], list[int]]] = None,
               state_fill: Optional[Callable[[int], float]] = None) -> RequestOutcome:
         """Match `tokens`, then insert a checkpoint at every position of `checkpoints` (token
-        counts, page-aligned) or of `plan(reused, len)`; the last page-aligned position is the
+        counts, page-aligned) or of `plan(reused, len, kv_match)`; the last page-aligned position is the
         terminal state. `state_fill(position)` writes a recognisable value into each state."""
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
@@ -164,7 +169,8 @@ class Driver:
         result = self.match(tokens, req=req)
         reused = result.device_prefix_len + result.host_hit_length
         lock = self.cache.lock(result.last_device_node)
-        positions = checkpoints if checkpoints is not None else plan(reused, len(tokens))
+        positions = checkpoints if checkpoints is not None else plan(reused, len(tokens),
+                                                                     result.full_kv_hit_length)
         owned = self.cache.tree_core.collect_full_device_indices(
             result.last_device_node, self.cache.tree_core.root_node.id) if result.device_prefix_len else \
             torch.empty((0,), dtype=torch.int64)

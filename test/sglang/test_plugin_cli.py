@@ -177,3 +177,40 @@ def test_intervals_must_sit_on_the_tree_page_grid():
     assert cfg.intervals_pages(256) == (1, 2)
     with pytest.raises(HiStateConfigError, match="not multiples of the tree page"):
         cfg.intervals_pages(512)
+
+
+def _write_config(path, config: dict) -> str:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_non_hybrid_model_is_rejected_once_its_config_is_known(sglang_plugins, tmp_path):
+    """The resolution-step check reads the model's HF config (config.json only, no weights)."""
+    llama = _write_config(tmp_path / "llama", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "vocab_size": 1000, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"})
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(HiStateConfigError, match="LlamaForCausalLM has none"):
+        prepare_server_args(["--model-path", llama, "--enable-histate", "--device", "cpu",
+                             "--skip-tokenizer-init"]).resolve_once()
+
+
+def test_hybrid_model_passes_the_check(sglang_plugins, tmp_path):
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=1000).to_dict()
+    qwen = _write_config(tmp_path / "qwen35", {**config, "architectures": ["Qwen3_5ForCausalLM"]})
+    from sglang.srt.server_args import prepare_server_args
+
+    from histate.sglang_plugin.plugin import _check_hybrid_model
+
+    server_args = prepare_server_args(["--model-path", qwen, "--enable-histate", "--device", "cpu",
+                                       "--skip-tokenizer-init"])
+    continued = []
+    _check_hybrid_model(server_args, continued.append)  # the wrapped resolution step, called directly
+    assert continued == [server_args]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_random_request_sequences_keep_sglang_and_histate_invariants(sglang_cpu,
             ctx = []
         ctx = ctx + fresh(rng.randrange(1, 6))
         sessions[s] = ctx
-        plan = cache.plan_checkpoints if kind == "histate" else (lambda c, n: [n])
+        plan = cache.plan_checkpoints if kind == "histate" else (lambda c, n, m: [n])
         outcome = driver.serve(ctx, plan=plan)
         cache.sanity_check()
         _slot_conservation(cache, pools, kv_tokens, mamba_slots)
@@ -127,6 +128,9 @@ def test_random_request_sequences_keep_sglang_and_histate_invariants(sglang_cpu,
     if kind == "histate":  # ... and the pools are small enough that both unit kinds get evicted
         totals = cache.histate.metrics.totals
         assert totals[("evictions_total", "checkpoint")] > 0 and totals[("evictions_total", "bundle")] > 0
+        driver.match(sessions[0], req=types.SimpleNamespace(session=None))  # a request-level match
+        device_states = sum(has_device_state(n) for n in cache.tree_core._node_arena.values())
+        assert cache.histate.metrics.totals[("checkpoints", "device")] == device_states > 0
     cache.evict(EvictParams(num_tokens=kv_tokens, mamba_num=mamba_slots))
     cache.sanity_check()
     assert pools.allocator.available_size() == kv_tokens
@@ -145,7 +149,7 @@ def test_each_eviction_takes_the_lowest_score(sglang_cpu):
     for i in range(12):
         clock.now = 1.0 + i
         base = list(range(100_000 * (i % 4), 100_000 * (i % 4) + rng.randrange(4, 20) * PAGE))
-        driver.serve(base, plan=lambda c, n: sorted({p for p in range(c + 3 * PAGE, n, 3 * PAGE)} | {n}))
+        driver.serve(base, plan=lambda c, n, m: sorted({p for p in range(c + 3 * PAGE, n, 3 * PAGE)} | {n}))
     ranker = cache.histate.ranker
     for t in range(10):
         clock.now = 100.0 + t

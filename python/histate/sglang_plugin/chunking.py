@@ -68,7 +68,9 @@ def plan_of(req: Any, cache: Any, reused_tokens: int) -> list[int]:
     """The request's planned checkpoint positions, made once at its first admission."""
     plan = getattr(req, "_hs_plan", None)
     if plan is None:
-        plan = cache.plan_checkpoints(reused_tokens, len(req.full_untruncated_fill_ids))
+        # SGLang's own branch point (the grid position at the KV match end) is HiState's too.
+        branch = getattr(req, "mamba_branching_seqlen", None)
+        plan = cache.plan_checkpoints(reused_tokens, len(req.full_untruncated_fill_ids), branch)
         req._hs_plan = plan
     return plan
 

@@ -58,6 +58,28 @@ class ScoringContext:
         self.state_on_ssd = state_on_ssd
 
 
+class ChildViews:
+    """The children of a node as views, built only when iterated (the core mostly tests truthiness)."""
+
+    __slots__ = ("_children", "_ctx")
+
+    def __init__(self, children: dict, ctx: ScoringContext):
+        self._children = children
+        self._ctx = ctx
+
+    def __bool__(self) -> bool:
+        return bool(self._children)
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __eq__(self, other: object) -> bool:  # core compares `node.children == {}`
+        return isinstance(other, dict) and not other and not self._children
+
+    def values(self):
+        return (NodeView(c, self._ctx) for c in self._children.values())
+
+
 class NodeView:
     """Read-only adapter: one SGLang node in the core's node shape (see module docstring)."""
 
@@ -73,8 +95,8 @@ class NodeView:
         return None if parent is None else NodeView(parent, self.ctx)
 
     @property
-    def children(self) -> dict:
-        return {k: NodeView(c, self.ctx) for k, c in self.node.children.items()}
+    def children(self) -> "ChildViews":
+        return ChildViews(self.node.children, self.ctx)
 
     @property
     def keys(self) -> range:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from histate.core import CacheConfig, IntervalController, Tier, UnitKind, make_policy
 from histate.core.interval import Ema
+from histate.core.policies import AdmissionContext
 
 from .config import HiStateConfig
 from .eviction import UnifiedEvictionRanker
@@ -38,9 +39,13 @@ class HiStateRuntime:
             page_num_tokens=1, kv_bytes_per_token=kv_bytes_per_token, checkpoint_size_bytes=checkpoint_bytes,
             capacity_bytes={Tier.GPU: 1}, tau_s=config.tau_s, ema_alpha=DEFAULT_EMA_ALPHA,
             initial_terminal_hit_prob=DEFAULT_TERMINAL_HIT_PRIOR)
-        checkpoint_pages = checkpoint_bytes / kv_bytes_per_token / grid_tokens
-        self.controller = IntervalController(checkpoint_pages, config.intervals_pages(grid_tokens),
-                                             DEFAULT_EMA_ALPHA)
+        # Admission works in checkpoint-grid pages (positions must sit on the state grid).
+        self.admission_config = CacheConfig(
+            page_num_tokens=grid_tokens, kv_bytes_per_token=kv_bytes_per_token,
+            checkpoint_size_bytes=checkpoint_bytes, capacity_bytes={Tier.GPU: 1},
+            supported_intervals_pages=config.intervals_pages(grid_tokens), ema_alpha=DEFAULT_EMA_ALPHA)
+        self.controller = IntervalController(self.admission_config.checkpoint_token_equiv / grid_tokens,
+                                             self.admission_config.supported_intervals_pages, DEFAULT_EMA_ALPHA)
         self.terminal_hits = Ema(DEFAULT_EMA_ALPHA, DEFAULT_TERMINAL_HIT_PRIOR)
         self.ssd: Any = None  # HiStateStorageBackend once the SSD tier is attached
         self.ranker = UnifiedEvictionRanker(self.policy, self._scoring_context)
@@ -122,21 +127,32 @@ class HiStateRuntime:
     # --- eviction bookkeeping -----------------------------------------------------------------------
 
     def on_evicted(self, node: Any, unit: UnitKind, now_s: float) -> None:
+        """Residence-time samples, with the core's definitions (histate.core.placement):
+        T_KV when a bundle's KV leaves fast memory (device and host), T_state when a checkpoint
+        loses its last copy."""
         self.metrics.record_eviction(unit.value)
-        if unit is UnitKind.BUNDLE:
-            created = getattr(node, "_hs_kv_created_s", None)
-            if created is not None:
-                self.controller.kv_residence_s.observe(max(0.0, now_s - created))
+        if unit is UnitKind.BUNDLE and not node.backuped and hasattr(node, "_hs_kv_created_s"):
+            self.controller.kv_residence_s.observe(max(0.0, now_s - node._hs_kv_created_s))
+        if (has_device_state(node) and not has_host_state(node) and not self.state_on_ssd(node)
+                and hasattr(node, "_hs_ckpt_created_s")):
+            self.controller.state_residence_s.observe(max(0.0, now_s - node._hs_ckpt_created_s))
+
+    def on_ssd_state_written(self) -> None:
+        self.controller.note_state_written(self.now())
 
     def on_ssd_state_evicted(self, residence_s: float) -> None:
         self.controller.state_residence_s.observe(max(0.0, residence_s))
 
     # --- adaptive interval control --------------------------------------------------------------------
 
-    def plan_checkpoints(self, reused_tokens: int, input_tokens: int) -> list[int]:
-        """Token positions in (reused, input] where the forward pass should leave a state
-        (eq. 5 for this segment; the last grid position always included)."""
+    def plan_checkpoints(self, reused_tokens: int, input_tokens: int,
+                         kv_match_tokens: Optional[int] = None) -> list[int]:
+        """Token positions in (reused, input] where the forward pass should leave a state: the
+        policy's admission rule (for `histate`: eq. 5 intervals for this segment, the observed
+        branch point at the KV match end, and the last grid position)."""
         grid = self.grid_tokens
         start_pages = math.ceil(reused_tokens / grid)
-        end_pages = input_tokens // grid
-        return [p * grid for p in self.controller.plan(start_pages, end_pages)]
+        match_pages = (kv_match_tokens if kv_match_tokens is not None else reused_tokens) // grid
+        ctx = AdmissionContext(start_pages, match_pages, input_tokens // grid, self.controller,
+                               self.admission_config, self.now())
+        return [p * grid for p in self.policy.admit(ctx)]

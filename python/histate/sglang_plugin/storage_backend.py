@@ -83,8 +83,12 @@ class HiStateStorageBackend(HiCacheStorage):
         self.key_suffix = suffix
         self.metrics: Any = None  # HiStateMetrics, set by the tree cache once attached
         self.on_state_evicted: Optional[Callable[[float], None]] = None  # T_state EMA feed
+        self.on_state_written: Optional[Callable[[], None]] = None  # first SSD checkpoint (censoring)
         self.store = store if store is not None else open_store(section, on_evict=self._on_evict)
         self.registered_pools: dict = {}
+        # Checkpoints on SSD (for the per-tier gauge); warm restarts start from the rebuilt index.
+        self.num_states = sum(1 for k in self.store.keys() if not k.startswith(f"{KV_POOL}/")
+                              and k.endswith(self.key_suffix))
 
     # --- keys and bookkeeping -------------------------------------------------------------------
 
@@ -92,8 +96,10 @@ class HiStateStorageBackend(HiCacheStorage):
         return f"{getattr(pool, 'value', pool)}/{page_hash}{self.key_suffix}"
 
     def _on_evict(self, event: Any) -> None:
-        if event.key.startswith(f"{KV_POOL}/"):
+        if event.key.startswith(f"{KV_POOL}/") or not event.key.endswith(self.key_suffix):
             return
+        if event.reason != "replaced":
+            self.num_states -= 1
         if self.on_state_evicted is not None:
             self.on_state_evicted(event.residence_s)
 
@@ -275,6 +281,10 @@ class HiStateStorageBackend(HiCacheStorage):
                 flags[slot] = result.stored
                 if result.stored:
                     self._count_io(written_bytes=page.numel() * page.element_size())
+                    if transfer.name != KV_POOL:
+                        self.num_states += 1
+                        if self.on_state_written is not None:
+                            self.on_state_written()
             results[transfer.name] = flags
         return results
 

@@ -86,6 +86,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         self.histate.ssd = backend
         backend.metrics = self.histate.metrics
         backend.on_state_evicted = self.histate.on_ssd_state_evicted
+        backend.on_state_written = self.histate.on_ssd_state_written
 
     # --- matching ----------------------------------------------------------------------------------
 
@@ -105,8 +106,23 @@ class HiStateRadixCache(UnifiedRadixCache):
         visited = result.last_visited_node_id
         last = self.tree_core.node_by_id(visited) if visited is not None else best
         runtime.refresh_on_match(best, last, runtime.now())
-        runtime.observe_request_match(params.req, best, result.full_kv_hit_length, len(params.key))
+        if params.req is not None:
+            runtime.observe_request_match(params.req, best, result.full_kv_hit_length, len(params.key))
+            self._update_checkpoint_gauges()
         return self._finalize_match_result(params, result)
+
+    def _update_checkpoint_gauges(self) -> None:
+        """Checkpoints resident per tier, from O(1) sources (ledger, host pool, SSD counter)."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        metrics, core = self.histate.metrics, self.tree_core
+        metrics.set_checkpoints("device", core.component_evictable_size_[ComponentType.MAMBA]
+                                + core.component_protected_size_[ComponentType.MAMBA])
+        host_pool = self.host_pool_group.get_pool(PoolName.MAMBA) if self.host_pool_group else None
+        if host_pool is not None:
+            metrics.set_checkpoints("host", host_pool.size - host_pool.available_size())
+        if self.histate.ssd is not None:
+            metrics.set_checkpoints("storage", self.histate.ssd.num_states)
 
     def _restore_state_from_ssd(self, node: Any) -> bool:
         """Read `node`'s checkpoint from the SSD tier into a device state slot (one checkpoint:
@@ -136,8 +152,9 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     # --- adaptive interval control ------------------------------------------------------------------
 
-    def plan_checkpoints(self, reused_tokens: int, input_tokens: int) -> list[int]:
-        return self.histate.plan_checkpoints(reused_tokens, input_tokens)
+    def plan_checkpoints(self, reused_tokens: int, input_tokens: int,
+                         kv_match_tokens: Optional[int] = None) -> list[int]:
+        return self.histate.plan_checkpoints(reused_tokens, input_tokens, kv_match_tokens)
 
 
 def histate_cache_factory(ctx: Any) -> Any:

@@ -19,9 +19,14 @@ class HiStateTreeCore(UnifiedTreeCore):
     histate_ranker: Any = None  # set by HiStateRadixCache after construction
 
     def _update_evictable_leaf_sets(self, node: Any) -> None:
+        ranker = self.histate_ranker
+        if ranker is None:
+            super()._update_evictable_leaf_sets(node)
+            return
+        before = ranker.unit_of(node)
         super()._update_evictable_leaf_sets(node)
-        if self.histate_ranker is not None:
-            self.histate_ranker.touch(node)
+        if ranker.unit_of(node) is not before:  # became, stopped being or changed eviction unit
+            ranker.touch(node)
 
     def set_component_device_value(self, node_id: Any, component_type: Any, value: Any) -> None:
         super().set_component_device_value(node_id, component_type, value)
