@@ -15,7 +15,8 @@ Every write creates a new object (as new checkpoints do); the previous one is de
 timed region. Reads fetch the newest object into a preallocated, page-aligned buffer.
 
 Per-call overhead = median(store call on a 4 KiB object) - median(raw-layout call on the same 8 KiB
-file: header block + payload block). Throughput ratio = raw median latency / store median latency.
+file: header block + payload block). Ratio = median over reps of raw latency / store latency, paired
+within a rep (so >= 0.90 means the store reaches 90% of the raw throughput).
 
     python benchmark/storage_io.py --dir /nvme/tmp/histate-bench --reps 15 --out out/storage_io.json \
         --plot docs/storage_io.png
@@ -198,15 +199,19 @@ def measure(cases: list[Case], reps: int, progress) -> dict:
 
 
 def summarize(cases: list[Case], samples: dict) -> list[dict]:
+    """Medians per cell; ratios are medians of per-rep paired ratios (raw and the store ran back to
+    back in the same rep), which drift on a shared machine disturbs far less than a ratio of medians."""
     rows = []
     for case in cases:
         for op in ("write", "read"):
-            base = statistics.median(samples[case.name]["raw"][op])
+            raw = samples[case.name]["raw"][op]
+            layout = samples[case.name]["raw-layout"][op]
             for impl, ops in samples[case.name].items():
                 lat = statistics.median(ops[op])
                 rows.append(dict(case=case.name, op=op, impl=impl, num_bytes=case.num_bytes,
                                  median_latency_s=lat, throughput_gb_s=case.num_bytes / lat / 1e9,
-                                 ratio_vs_raw=base / lat,
+                                 ratio_vs_raw=statistics.median(r / x for r, x in zip(raw, ops[op])),
+                                 ratio_vs_layout=statistics.median(r / x for r, x in zip(layout, ops[op])),
                                  p90_latency_s=sorted(ops[op])[int(0.9 * (len(ops[op]) - 1))]))
     return rows
 
@@ -220,9 +225,8 @@ def print_table(rows: list[dict], impls: list[str]) -> None:
     for case, op in dict.fromkeys((r["case"], r["op"]) for r in rows):
         cells = [f"{by[(case, op, i)]['median_latency_s'] * 1e3:.2f} ({by[(case, op, i)]['throughput_gb_s']:.2f})"
                  for i in impls]
-        layout = by[(case, op, "raw-layout")]["median_latency_s"]
         vs_raw = [f"{by[(case, op, i)]['ratio_vs_raw']:.2f}" for i in stores]
-        vs_layout = [f"{layout / by[(case, op, i)]['median_latency_s']:.2f}" for i in stores]
+        vs_layout = [f"{by[(case, op, i)]['ratio_vs_layout']:.2f}" for i in stores]
         print(f"| {case} | {op} | " + " | ".join(cells + vs_raw + vs_layout) + " |")
 
 
@@ -271,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-inflight", type=int, help="StoreConfig.max_inflight (default: the store's)")
     ap.add_argument("--file-io-threads", type=int, help="StoreConfig.file_io_threads (default: the store's)")
     ap.add_argument("--checksum-threads", type=int, help="StoreConfig.checksum_threads (default: the store's)")
+    ap.add_argument("--no-preallocate", action="store_true", help="StoreConfig.preallocate=False")
     ap.add_argument("--out", help="write raw samples and summary as JSON here")
     ap.add_argument("--plot", help="write a throughput bar chart (PNG) here")
     args = ap.parse_args(argv)
@@ -291,7 +296,9 @@ def main(argv=None) -> int:
         for b in backends:
             tuning = {k: v for k, v in dict(piece_bytes=args.piece_mib and args.piece_mib * MiB,
                                             max_inflight=args.max_inflight, file_io_threads=args.file_io_threads,
-                                            checksum_threads=args.checksum_threads).items() if v is not None}
+                                            checksum_threads=args.checksum_threads,
+                                            preallocate=False if args.no_preallocate else None).items()
+                      if v is not None}
             cfg = StoreConfig(dirs=[os.path.join(base, b)], capacity_bytes=64 << 30, backend=b,
                               num_workers=args.num_workers, **tuning)
             stores[b] = CheckpointStore(cfg)
@@ -306,7 +313,7 @@ def main(argv=None) -> int:
                    fs=_fs_type(base), reps=args.reps, num_workers=args.num_workers,
                    load_avg=os.getloadavg()[0], **({} if c is None else dict(
                        piece_bytes=c.piece_bytes, max_inflight=c.max_inflight, file_io_threads=c.file_io_threads,
-                       checksum_threads=c.checksum_threads, checksum=c.checksum)))
+                       checksum_threads=c.checksum_threads, checksum=c.checksum, preallocate=c.preallocate)))
         print(f"\nenvironment: {env}\n")
         print_table(rows, impls)
         ov = overheads(rows)
