@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--synthetic", choices=("agent", "mutation"), help="synthetic workload when no --trace: agent (default) or the paper's mutation microbenchmark")
     src.add_argument("--mutation-rate", type=float, default=0.05, help="--synthetic mutation: rate of truncations (0.05)")
     src.add_argument("--max-context", type=int, default=131072, help="model max context in tokens; a session ends at its first longer request (131072)")
+    src.add_argument("--max-gap", type=float, help="cap every think/tool gap at this many seconds (AIPerf's inter-turn delay cap); default: trace timing")
     src.add_argument("--max-sessions", type=int, help="admit at most this many root sessions (default: all)")
     src.add_argument("--seed", type=int, default=0, help="seed of the admission order and synthetic workloads (0)")
     sim = r.add_argument_group("system (defaults: the paper preset, Qwen3.5-9B on one H100)")
@@ -90,7 +91,8 @@ def load_workload(args):
         return demo_workload(seed=args.seed)
     if not trace.exists():
         raise SystemExit(f"histate replay: --trace {trace}: no such file or directory")
-    options = LoadOptions(max_context_num_tokens=args.max_context, progress=not args.no_progress)
+    options = LoadOptions(max_context_num_tokens=args.max_context, max_gap_s=args.max_gap,
+                          progress=not args.no_progress)
     return load_trace(trace, args.format, options)
 
 

@@ -30,8 +30,8 @@ class CacheConfig:
     """Eq. 7 time scale: seconds of recency one unit of recompute-per-byte is worth."""
     supported_intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
     """Eq. 5 candidate set of checkpoint intervals, in pages."""
-    fixed_interval_pages: int = 32
-    """Interval of the `histate-fixed32` ablation and of fixed-interval admission."""
+    fixed_interval_pages: int = 288
+    """Interval of the `histate-fixed32` ablation: the paper's 32 vLLM blocks of 576 tokens = 288 pages."""
     chunk_pages: int = 128
     """Chunked-prefill size in pages (SGLang default 8192 tokens): where SGLang keeps states."""
     ema_alpha: float = 0.1
