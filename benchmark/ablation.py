@@ -2,7 +2,7 @@
 in HiState (admission: `histate-align`, `histate-fixed32`; eviction: `histate-lru-disk`). The cohort
 is defined as in §4.2 from histate, vllm-disk and unlimited on the same replay. The paper uses
 TraceLab, which is not available here: this runs on the Weka sessions when ../shared has them, else on
-the embedded synthetic agent workload. Bars: mean per-request hit rate and mean TTFT on the cohort.
+the embedded synthetic agent workload. Weka uses paper_weka.py's preset (125 sessions, gaps capped at 60 s). Bars: mean per-request hit rate and mean TTFT on the cohort.
 
     .venv/bin/python benchmark/ablation.py [--max-sessions 125] [--synthetic]
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from histate.sim.metrics import reuse_sensitive_uids
 from histate.sim.replay import ReplayConfig, replay_policies
-from histate.sim.traces import load_weka
+from histate.sim.traces import LoadOptions, load_weka
 from histate.sim.workloads import demo_workload
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "cc-traces-weka-042026" / "traces.jsonl.gz"
@@ -28,7 +28,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out/ablation"))
     args = ap.parse_args()
     if TRACE.exists() and not args.synthetic:
-        workload, config = load_weka(TRACE), ReplayConfig(max_sessions=args.max_sessions)
+        workload = load_weka(TRACE, LoadOptions(max_gap_s=60.0))  # the paper preset of paper_weka.py
+        config = ReplayConfig(max_sessions=args.max_sessions)
     else:
         workload, config = demo_workload(), ReplayConfig()
     runs = replay_policies(workload, VARIANTS + ("vllm-disk", "unlimited"), config)
