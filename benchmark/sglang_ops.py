@@ -63,7 +63,8 @@ def _sglang_positions(reused: int, total: int, kv_match: int, chunk_tokens: int,
 def run_once(args, mode: str) -> dict:
     import torch
 
-    from _urc_fixtures import QWEN35_LIKE_STATE, Driver, ManualClock, build_cache, build_pools, publish_server_args
+    from _urc_fixtures import QWEN35_LIKE_STATE, TINY_STATE, Driver, ManualClock, build_cache, build_pools, \
+        publish_server_args
     from histate.sim.workloads import AgentWorkloadConfig, agent_workload
 
     torch.set_num_threads(1)
@@ -81,7 +82,7 @@ def run_once(args, mode: str) -> dict:
     caches = {}
     for kind in ("stock", "histate"):
         pools = build_pools(args.kv_pages * page, args.state_slots, page_size=page, max_context=1 << 17,
-                            state_shape=QWEN35_LIKE_STATE)
+                            state_shape=TINY_STATE if args.tiny_states else QWEN35_LIKE_STATE)
         cache = build_cache(kind, pools, **({"clock": clock} if kind == "histate" else {}))
         caches[kind] = (cache, Driver(cache, pools), pools)
     histate_cache = caches["histate"][0]
@@ -149,6 +150,9 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=8192, help="stock placement's chunked prefill size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny-states", action="store_true",
+                        help="states of ~17 KV-token equivalents instead of Qwen3.5-9B's ~1,540: the "
+                             "interval controller then plans many checkpoints (a stress regime)")
     parser.add_argument("--plot", default=None, help="write a per-request cost CDF (PNG) here")
     args = parser.parse_args()
     _import_sglang_on_cpu()
@@ -172,8 +176,10 @@ def main() -> None:
                      r0["reused"]["stock"] / r0["input_tokens"], r0["reused"]["histate"] / r0["input_tokens"],
                      r0["histate_evictions"]))
         last[mode] = r0
+    n_s = "~17" if args.tiny_states else "~1,540"
     print(f"sessions={args.sessions} turns={args.turns} page={args.page_tokens} kv_pages={args.kv_pages} "
-          f"state_slots={args.state_slots} repeats={args.repeats} (thread CPU time, medians over repeats)")
+          f"state_slots={args.state_slots} state={n_s} KV-token equivalents repeats={args.repeats} "
+          "(thread CPU time, medians over repeats)")
     print("| mode | requests | stock p50 µs | HiState p50 µs | p50 ratio | median per-request ratio | "
           "stock p90 µs | HiState p90 µs | checkpoints / request (stock, HiState) | "
           "µs per cache op (stock, HiState) | token hit rate (stock, HiState) | HiState evictions (ckpt, bundle) |")

@@ -214,3 +214,11 @@ def test_hybrid_model_passes_the_check(sglang_plugins, tmp_path):
     continued = []
     _check_hybrid_model(server_args, continued.append)  # the wrapped resolution step, called directly
     assert continued == [server_args]
+
+
+def test_docs_list_every_flag_and_env_var():
+    docs = os.path.join(HERE, os.pardir, os.pardir, "docs", "sglang.md")
+    with open(docs) as f:
+        text = f.read()
+    for opt in OPTIONS:
+        assert opt.flag in text and opt.env in text, f"docs/sglang.md misses {opt.flag} / {opt.env}"

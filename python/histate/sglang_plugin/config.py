@@ -167,7 +167,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("host_state_slots", "--histate-host-state-slots", "HISTATE_HOST_STATE_SLOTS", _parse_count,
            metavar="N",
            help="Host (DRAM) staging slots for recurrent states; the rest of the host budget goes "
-                "to KV. 0 = auto (the device state pool size)."),
+                "to KV. 0 = auto (2 per running request, at least 16)."),
     Option("device_pool", "--histate-device-pool", "HISTATE_DEVICE_POOL", _choice(DEVICE_POOL_CHOICES),
            choices=DEVICE_POOL_CHOICES,
            help="'unified' (default): KV and states share one device byte budget "
