@@ -1,0 +1,31 @@
+"""The pure core imports nothing heavy and does no I/O or wall-clock reads (DESIGN.md layering)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import histate.core
+
+CORE = Path(histate.core.__file__).parent
+ALLOWED = {"__future__", "bisect", "collections", "dataclasses", "enum", "heapq", "itertools", "math", "sys", "typing"}
+
+
+def test_core_modules_import_only_the_standard_library_subset():
+    for path in CORE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module.split(".")[0]]
+            else:
+                continue
+            bad = [n for n in names if n not in ALLOWED]
+            assert not bad, f"{path.relative_to(CORE)} imports {bad}"
+            assert "time" not in names and "os" not in names
+
+
+def test_core_imports_with_torch_and_sglang_blocked():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['sglang'] = None; sys.modules['numpy'] = None\n"
+            "import histate.core as c; print(len(c.available_policies()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout) == 10

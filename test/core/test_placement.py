@@ -1,0 +1,78 @@
+"""Asymmetric placement and the two ledgers, on hand-sized examples (sizes in pages of KV)."""
+from histate.core import HybridPrefixCache, ItemKind, Tier, make_cache, make_policy
+
+from .helpers import CKPT_BYTES, KV_PAGE_BYTES, serve, tiny_config
+
+A = [("a", i) for i in range(10)]
+B = [("b", i) for i in range(10)]
+
+
+def tiers_of(cache, keys):
+    path, pos, _ = cache.tree.walk(list(keys))
+    node = path[-1]
+    return node.kv_mask, node.ckpt_mask
+
+
+def test_histate_demotes_instead_of_deleting_when_a_lower_tier_has_room():
+    cache = make_cache("histate", tiny_config(gpu_pages=16, cpu_pages=16, ssd_pages=64))
+    serve(cache, A, 1.0, [10])  # 10 pages KV + 4 pages state on GPU
+    serve(cache, B, 2.0, [10])  # needs 14 pages: A's bundle moves down instead of disappearing
+    cache.check_invariants()
+    assert cache.match(A).num_reused_pages == 10
+    kv_mask, ckpt_mask = tiers_of(cache, A)
+    assert kv_mask == 1 << Tier.CPU and ckpt_mask == 1 << Tier.CPU
+    assert cache.stats.evictions[("bundle", "GPU", "demote")] == 1
+
+
+def test_histate_sends_historical_checkpoints_to_ssd_and_keeps_the_terminal_on_gpu():
+    cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64, ssd_pages=64))
+    serve(cache, A[:4], 1.0, [4])
+    serve(cache, A, 2.0, [6, 10])  # 6 is planned inside the new segment; 4 became historical
+    assert tiers_of(cache, A[:4])[1] == 1 << Tier.SSD
+    assert tiers_of(cache, A[:6])[1] == 1 << Tier.SSD
+    assert tiers_of(cache, A)[1] == 1 << Tier.GPU
+    result = cache.match(A[:6] + [("x", 0)])
+    assert (result.num_reused_pages, result.checkpoint_tier) == (6, Tier.SSD)
+    assert result.kv_bytes_by_tier == {Tier.GPU: 6 * KV_PAGE_BYTES}
+
+
+def test_promotion_moves_reused_kv_back_to_gpu():
+    cache = make_cache("histate", tiny_config(gpu_pages=16, cpu_pages=32, ssd_pages=64))
+    serve(cache, A, 1.0, [10])
+    serve(cache, B, 2.0, [10])  # A demoted to CPU
+    lease = cache.begin_request(A + [("a", 10)], 3.0)
+    assert lease.match.kv_bytes_by_tier == {Tier.CPU: 10 * KV_PAGE_BYTES}
+    assert tiers_of(cache, A)[0] == 1 << Tier.GPU  # exclusive tiers: moved, not copied
+    cache.abort_request(lease)
+    cache.check_invariants()
+
+
+def test_write_through_keeps_copies_and_sheds_the_gpu_copy_on_eviction():
+    cache = make_cache("vllm-cpu", tiny_config(gpu_pages=16, cpu_pages=64))
+    serve(cache, A, 1.0, [10])
+    assert tiers_of(cache, A) == ((1 << Tier.GPU) | (1 << Tier.CPU), (1 << Tier.GPU) | (1 << Tier.CPU))
+    serve(cache, B, 2.0, [10])
+    assert tiers_of(cache, A) == (1 << Tier.CPU, 1 << Tier.CPU)
+    assert cache.stats.evictions[("bundle", "GPU", "shed")] == 1
+    assert cache.match(A).num_reused_pages == 10
+
+
+def test_static_partition_evicts_states_within_their_share_only():
+    cfg = tiny_config(gpu_pages=40, state_fraction={Tier.GPU: 0.2})  # 8 pages = 2 states, 32 pages of KV
+    cache = HybridPrefixCache(cfg, make_policy("sglang-hicache"))
+    pools = cache.ledger.capacity_bytes
+    assert pools[(Tier.GPU, ItemKind.CHECKPOINT)] == 8 * KV_PAGE_BYTES
+    assert pools[(Tier.GPU, ItemKind.KV)] == 32 * KV_PAGE_BYTES
+    for i, keys in enumerate((A[:3], B[:3], [("c", 0), ("c", 1)])):
+        serve(cache, keys, float(i), [len(keys)])
+    cache.check_invariants()
+    # the third state evicted the oldest state (A's) although KV had room: KV of A stays, its state goes
+    assert cache.match(A[:3]).num_kv_pages == 3 and cache.match(A[:3]).num_reused_pages == 0
+    assert cache.ledger.used_bytes[(Tier.GPU, ItemKind.CHECKPOINT)] == 2 * CKPT_BYTES
+
+
+def test_unlimited_reuses_every_page_of_the_longest_cached_prefix():
+    cache = make_cache("unlimited", tiny_config(gpu_pages=1))
+    serve(cache, A, 1.0)
+    result = cache.match(A[:7] + B)
+    assert (result.num_kv_pages, result.num_reused_pages) == (7, 7)
