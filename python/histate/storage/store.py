@@ -85,24 +85,9 @@ class CheckpointStore:
         self._on_capacity_needed = on_capacity_needed
         self._on_evict = on_evict
         self.layout = Layout(config.dirs)
-        self._lock_fds: list[int] = []
-        for root in self.layout.roots:
-            try:
-                self._lock_fds.append(self._lock_root(root))
-            except BaseException:
-                self._release_locks()
-                raise
-        self._direct = {root: (config.direct_io is not False) and probe_direct_io(root) for root in self.layout.roots}
-        if config.direct_io is True and not all(self._direct.values()):
-            log.warning("histate.storage: O_DIRECT requested but refused by %s; buffered I/O there",
-                        [r for r, ok in self._direct.items() if not ok])
-        self._crc_pool = (ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="histate-crc")
-                          if config.checksum_threads else None)
         algo = DEFAULT_CHECKSUM if config.checksum == "auto" else CHECKSUM_NAMES[config.checksum]
         if algo == CHECKSUM_XXH3 and xxhash is None:
             raise ValueError("StoreConfig.checksum='xxh3' needs the xxhash package (pip install xxhash)")
-        self._pipe = PipelineConfig(config.chunk_bytes, config.piece_bytes, config.max_inflight, self._crc_pool,
-                                    algo)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._room = threading.Condition(self._lock)
@@ -114,15 +99,27 @@ class CheckpointStore:
         self._reserved_bytes = 0
         self._closing = False
         self.stats = StoreStats()
-        wrap = _tqdm_progress if progress else None
-        self._index, report = rebuild(self.layout, clock(), wrap)
-        self.stats.rebuild_kept, self.stats.rebuild_discarded = report.kept, report.discarded
-        self.rebuild_report = report
+        self._lock_fds: list[int] = []
+        self._crc_pool = None
         try:
+            for root in self.layout.roots:
+                self._lock_fds.append(self._lock_root(root))
+            self._direct = {root: (config.direct_io is not False) and probe_direct_io(root)
+                            for root in self.layout.roots}
+            if config.direct_io is True and not all(self._direct.values()):
+                log.warning("histate.storage: O_DIRECT requested but refused by %s; buffered I/O there",
+                            [r for r, ok in self._direct.items() if not ok])
+            self._index, report = rebuild(self.layout, clock(), _tqdm_progress if progress else None)
+            self.stats.rebuild_kept, self.stats.rebuild_discarded = report.kept, report.discarded
+            self.rebuild_report = report
             self.backend_name, sessions = _make_sessions(config, config.num_workers + 1)
         except BaseException:
             self._release_locks()
             raise
+        if config.checksum_threads:
+            self._crc_pool = ThreadPoolExecutor(config.checksum_threads, thread_name_prefix="histate-crc")
+        self._pipe = PipelineConfig(config.chunk_bytes, config.piece_bytes, config.max_inflight, self._crc_pool,
+                                    algo)
         self._inline_session, self._sessions = sessions[0], sessions[1:]
         self._inline_lock = threading.Lock()
         self._workers = [threading.Thread(target=self._worker, args=(s,), name=f"histate-store-{i}", daemon=True)
