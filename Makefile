@@ -49,6 +49,7 @@ bench: venv  ## run every benchmark and print tables (numbers go to docs/results
 	$(VPY) benchmark/mutation.py
 	$(VPY) benchmark/ablation.py
 	$(VPY) benchmark/sim_substrate.py
+	$(VPY) benchmark/sglang_ops.py
 
 size:  ## line counts per module
 	@find python/histate -name '*.py' | xargs wc -l | sort -n

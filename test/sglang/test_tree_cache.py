@@ -5,7 +5,6 @@ import random
 import types
 
 import pytest
-import torch
 
 from histate.core import UnitKind, make_policy
 from histate.core.policies.histate import HiStateLruDisk

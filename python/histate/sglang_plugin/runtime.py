@@ -19,7 +19,7 @@ from histate.core.policies import AdmissionContext
 from .config import HiStateConfig
 from .eviction import UnifiedEvictionRanker
 from .metrics import HiStateMetrics
-from .node_view import MAMBA, ScoringContext, depth_tokens, has_device_state, has_host_state
+from .node_view import ScoringContext, depth_tokens, has_device_state, has_host_state
 
 DEFAULT_EMA_ALPHA = 0.1
 DEFAULT_TERMINAL_HIT_PRIOR = 0.9
@@ -49,7 +49,6 @@ class HiStateRuntime:
         self.terminal_hits = Ema(DEFAULT_EMA_ALPHA, DEFAULT_TERMINAL_HIT_PRIOR)
         self.ssd: Any = None  # HiStateStorageBackend once the SSD tier is attached
         self.ranker = UnifiedEvictionRanker(self.policy, self._scoring_context)
-        self._seen_requests: set[int] = set()
 
     # --- clocks and scoring ---------------------------------------------------------------------
 
@@ -90,6 +89,7 @@ class HiStateRuntime:
             self.stamp_kv(node, now_s)
         node._hs_ckpt_access_s = now_s
         node._hs_ckpt_created_s = now_s
+        node._hs_ssd_bad = False  # a new state; its SSD copy (when written) is a new object
         self.ranker.touch_checkpoint_neighbourhood(node)
 
     def refresh_on_match(self, best: Any, last_visited: Any, now_s: float) -> None:
@@ -111,12 +111,12 @@ class HiStateRuntime:
 
     def observe_request_match(self, req: Any, best: Any, kv_hit_tokens: int, input_tokens: int) -> None:
         """Once per request: terminal-hit EMA (core semantics) and the hit metrics."""
-        if req is None or id(req) in self._seen_requests or getattr(req, "_hs_observed", False):
+        if req is None or getattr(req, "_hs_observed", False):
             return
         try:
-            req._hs_observed = True
+            req._hs_observed = True  # SGLang's Req takes attributes; a retried admission is not re-counted
         except AttributeError:
-            self._seen_requests.add(id(req))
+            return
         reused = depth_tokens(best) if best is not None and best.parent is not None else 0
         if kv_hit_tokens > 0:
             terminal = best is not None and best.parent is not None and not best.children

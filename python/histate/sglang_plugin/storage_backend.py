@@ -22,6 +22,7 @@ SGLang's file backend does. Faults never raise: a failed read is a miss, a faile
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from typing import Any, Callable, List, Optional
 
@@ -48,8 +49,6 @@ def default_budget_bytes(dirs: list[str]) -> int:
     """90% of the free space of the given directories (each counted once per file system)."""
     seen: dict[int, int] = {}
     for d in dirs:
-        import os
-
         os.makedirs(d, exist_ok=True)
         seen[os.stat(d).st_dev] = shutil.disk_usage(d).free
     return int(sum(seen.values()) * FREE_SPACE_FRACTION)

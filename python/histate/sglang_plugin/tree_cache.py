@@ -29,9 +29,6 @@ from .tree_core import register_tree_core
 
 logger = logging.getLogger(__name__)
 
-MAX_SSD_RESTORE_ATTEMPTS = 4
-
-
 def kv_bytes_per_token(kvcache: Any) -> int:
     """Device KV bytes of one token over every full-attention layer."""
     total = kvcache.get_kv_size_bytes()
@@ -93,7 +90,7 @@ class HiStateRadixCache(UnifiedRadixCache):
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
         if self.disable:
             return self.tree_core.empty_match_result
-        for _ in range(MAX_SSD_RESTORE_ATTEMPTS):
+        while True:  # ends: each pass either returns a usable node or rules one more node out
             result = self.tree_core.match_prefix(params)
             self._apply_cache_actions(result.cache_actions)
             best = self.tree_core.node_by_id(result.best_match_node)
@@ -143,7 +140,12 @@ class HiStateRadixCache(UnifiedRadixCache):
                 return False
         slot = slot.view(-1)
         physical = int(pool.translate_mamba_indices(slot)[0])
-        if not self.histate.ssd.read_state_to_device(node.hash_value[-1], pool.mamba_pool, physical):
+        try:
+            restored = self.histate.ssd.read_state_to_device(node.hash_value[-1], pool.mamba_pool, physical)
+        except Exception:  # an unexpected I/O or copy failure is a miss too
+            logger.exception("HiState: restoring checkpoint %s from SSD failed", node.hash_value[-1])
+            restored = False
+        if not restored:
             pool.mamba_allocator.free(slot)
             return False
         self.tree_core.set_component_device_value(node.id, ComponentType.MAMBA, slot.clone())
