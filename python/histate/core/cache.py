@@ -329,15 +329,22 @@ class HybridPrefixCache(Placement):
             bound = last_access_s(node, unit, 1 << t)
             heapq.heappush(self._heap_of[unit, t], (bound, next(self._seq), node, unit, t, node.version))
 
-    def _touch_checkpoint_neighbourhood(self, node: Node) -> None:
-        """A checkpoint appeared or vanished: the costs of its neighbours changed (eq. 7 update)."""
-        self._touch(node)
-        parent = node.parent
-        while parent is not None and parent.parent is not None:
-            self._touch(parent)
-            if parent.ckpt_mask:
+    def _touch_upward(self, node: Node) -> None:
+        """`node` changed shape: re-rank it and its ancestors up to the nearest checkpoint, whose
+        span (eq. 7's C of an intermediate checkpoint) runs through it."""
+        while node is not None and node.parent is not None:
+            self._touch(node)
+            if node.ckpt_mask:
                 break
-            parent = parent.parent
+            node = node.parent
+        if node is not None and node.parent is not None:
+            self._touch(node)
+
+    def _touch_checkpoint_neighbourhood(self, node: Node) -> None:
+        """A checkpoint appeared or vanished at `node`: the gap of the checkpoints below changed too
+        (affected costs are updated without touching timestamps, paper §3.3)."""
+        self._touch(node)
+        self._touch_upward(node.parent)
         for child in node.children.values():
             self._touch(child)
 

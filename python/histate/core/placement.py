@@ -108,7 +108,7 @@ class Placement:
         node.lock_count += 1
         if self._make_room(self.ledger.pool_of(home, ItemKind.CHECKPOINT), self.config.checkpoint_size_bytes, now_s):
             self._move(node, ItemKind.CHECKPOINT, src, home)
-            self._touch_checkpoint_neighbourhood(node)
+            self._touch(node)
         node.lock_count -= 1
 
     # --- eviction of one unit ----------------------------------------------------------------
@@ -131,11 +131,12 @@ class Placement:
         if outcome == "drop" and unit is UnitKind.BUNDLE:
             self._remove_node(node, now_s)
             return
-        self._touch_checkpoint_neighbourhood(node)
-        if node.parent is not None:
-            self._touch(node.parent)
-        if outcome == "drop":
+        if outcome == "drop":  # the checkpoint is gone: neighbours' costs change
+            self._touch_checkpoint_neighbourhood(node)
             self._maybe_merge(node)
+        else:  # a copy moved or was shed: the node's units changed, its parent may be a tier leaf now
+            self._touch(node)
+            self._touch(node.parent)
 
     def _evict_copy(self, node: Node, kind: ItemKind, tier: Tier, now_s: float) -> str:
         """Remove `node`'s `kind` copy from `tier`: "shed" (other copies remain), "demote", "drop",
@@ -165,7 +166,7 @@ class Placement:
         parent = node.parent
         self.tree.remove_leaf(node)
         if parent.parent is not None:
-            self._touch_checkpoint_neighbourhood(parent)
+            self._touch_upward(parent)
             self._maybe_merge(parent)
 
     def _maybe_merge(self, node: Node) -> None:
