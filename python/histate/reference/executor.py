@@ -141,7 +141,7 @@ class ReferenceExecutor:
             raise
         staged = _Staged(
             kv={keys[c + i]: page for i, page in enumerate(fresh)},
-            capture_index={keys[d - 1]: j for j, d in enumerate(plan)},
+            capture_index={keys[p // page_num_tokens - 1]: j for j, p in enumerate(prefill.captured.positions)},
             conv=prefill.captured.conv,
             ssm=prefill.captured.ssm,
         )

@@ -61,9 +61,10 @@ def agent_mutation_workload(seed: int = 0, vocab_size: int = 512, scale: float =
     # Truncate inside u2 (an earlier message), off any page boundary, then continue.
     cut = len(a1) + len(r1) + len(u2) * 3 // 5 + 1
     b.emit("truncate", "A", a3[:cut] + b.message(n(180)))
-    # Rewind to turn 2 and edit one token in the middle of u2 (behind the turn-1 checkpoint), then continue.
+    # Rewind to turn 2 and edit one token early in u2 (behind the turn-1 checkpoint, in a different page
+    # than the truncation above), then continue.
     edited = list(a2)
-    edit_at = len(a1) + len(r1) + len(u2) // 2 + 3
+    edit_at = len(a1) + len(r1) + len(u2) // 4 + 3
     edited[edit_at] = (edited[edit_at] + 1) % vocab_size
     b.emit("rewind-edit", "A", edited + b.message(n(120)))
     b1b = b.emit("append", "B", b1 + b.message(n(50)) + b.message(n(150)))

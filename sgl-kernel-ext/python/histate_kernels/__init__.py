@@ -42,8 +42,17 @@ _BACKENDS = ("auto", "torch", "triton")
 
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
-    """True when triton can be imported and a CUDA device is present (no import happens here)."""
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    """True when a CUDA device is present and triton is importable (nothing is imported here).
+
+    CUDA is checked first: CPU test bootstraps may put a triton *stub* in sys.modules (SGLang imports
+    triton unconditionally), whose module spec can be missing or meaningless.
+    """
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _impl(backend: str, is_cuda: bool):
