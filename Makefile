@@ -45,7 +45,8 @@ test-gpu: venv  ## GPU-only tests (kernels, exactness on CUDA); skipped without 
 
 bench: venv  ## run every benchmark and print tables (numbers go to docs/results.md by hand)
 	$(VPY) benchmark/core_ops.py
-	$(VPY) benchmark/paper_weka.py
+	$(VPY) benchmark/paper_weka.py --seeds 0 1 2
+	$(VPY) benchmark/storage_io.py --reps 15
 	$(VPY) benchmark/mutation.py
 	$(VPY) benchmark/ablation.py
 	$(VPY) benchmark/sim_substrate.py
