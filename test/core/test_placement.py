@@ -76,3 +76,39 @@ def test_unlimited_reuses_every_page_of_the_longest_cached_prefix():
     serve(cache, A, 1.0)
     result = cache.match(A[:7] + B)
     assert (result.num_kv_pages, result.num_reused_pages) == (7, 7)
+
+
+def test_a_lost_checkpoint_becomes_a_miss_at_the_previous_one():
+    cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64, ssd_pages=64))
+    serve(cache, A[:4], 1.0, [4])
+    serve(cache, A, 2.0, [6, 10])
+    assert cache.report_lost(A, 6, ItemKind.CHECKPOINT, Tier.SSD, 3.0)
+    assert not cache.report_lost(A, 6, ItemKind.CHECKPOINT, Tier.SSD, 3.0)  # already forgotten
+    cache.check_invariants()
+    assert cache.match(A[:6] + [("x", 0)]).num_reused_pages == 4
+    assert cache.match(A).num_reused_pages == 10
+    assert cache.stats.num_lost_reported == 1
+
+
+def test_lost_kv_in_its_only_tier_takes_the_subtree_with_it():
+    cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64, ssd_pages=64))
+    serve(cache, A[:4], 1.0, [4])
+    serve(cache, A, 2.0, [10])
+    serve(cache, A[:4] + B[:3], 3.0, [7])
+    assert cache.report_lost(A, 4, ItemKind.KV, Tier.GPU, 4.0)
+    cache.check_invariants()
+    assert cache.match(A).num_kv_pages == 0 and cache.match(A[:4] + B[:3]).num_kv_pages == 0
+    assert cache.ledger.used_bytes[Tier.GPU] == cache.ledger.used_bytes[Tier.SSD] == 0
+
+
+def test_report_lost_refuses_to_pull_pinned_kv():
+    import pytest
+    from histate.core import HiStateError
+    cache = make_cache("histate", tiny_config(gpu_pages=64))
+    serve(cache, A, 1.0, [10])
+    lease = cache.begin_request(A, 2.0)
+    with pytest.raises(HiStateError, match="pinned"):
+        cache.report_lost(A, 10, ItemKind.KV, Tier.GPU, 2.0)
+    cache.abort_request(lease)
+    assert cache.report_lost(A, 10, ItemKind.KV, Tier.GPU, 2.0)
+    cache.check_invariants()

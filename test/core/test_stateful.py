@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from histate.core import Tier, available_policies, make_cache
+from histate.core import ItemKind, Tier, available_policies, make_cache
 
 from .helpers import CKPT_BYTES, KV_PAGE_BYTES, assert_restorable, tiny_config
 
@@ -58,6 +58,17 @@ def machine_for(policy_name: str):
         def evict(self, tier, num_pages):
             if self.cache.ledger.has_tier(tier):
                 self.cache.evict(tier, num_pages * KV_PAGE_BYTES, self.tick())
+
+        @precondition(lambda self: not self.leases)  # executors abort before reporting (docs/core-api.md)
+        @rule(keys=KEYS, depth=st.integers(1, 24), kind=st.sampled_from(list(ItemKind)), tier=st.sampled_from(list(Tier)))
+        def lose(self, keys, depth, kind, tier):
+            depth = min(depth, len(keys))
+            path, pos, partial = self.cache.tree.walk(keys[:depth])
+            start = path[-1].start_pages if path and pos == depth and partial is None else None
+            if self.cache.report_lost(keys, depth, kind, tier, self.tick()) and policy_name == "unlimited":
+                # the lost KV segment began at `start`: every cached prefix through its first page is gone
+                cut = tuple(keys[: start + 1])
+                self.inserted = {p for p in self.inserted if p[: start + 1] != cut}
 
         @rule(keys=KEYS)
         def match_is_pure_and_restorable(self, keys):

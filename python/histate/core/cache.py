@@ -24,7 +24,7 @@ from .placement import Placement
 from .policies import AdmissionContext, Policy, make_policy
 from .stats import CacheStats
 from .tree import Node, RadixTree
-from .types import ALL_TIERS, ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier
+from .types import ALL_TIERS, HiStateError, ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier
 from .units import last_access_s, units_of
 
 _COMPACT_FACTOR = 4  # rebuild a heap once stale entries outnumber live ones this many times
@@ -195,6 +195,49 @@ class HybridPrefixCache(Placement):
         """
         self.last_now_s = now_s
         return self._make_room(self.ledger.pool_of(tier, kind), size_bytes, now_s)
+
+    def report_lost(self, page_keys: Sequence, depth_pages: int, kind: ItemKind, tier: Tier, now_s: float) -> bool:
+        """An executor found a copy missing or corrupt (a torn file, a failed read): forget it, so that
+        later matches do not count on it. Faults become misses, never wrong results.
+
+        The item is the one a TierOp names: the checkpoint at `depth_pages`, or the KV segment ending
+        there. A KV segment lost from its only tier takes its whole subtree with it (I3); that subtree
+        must not be pinned (abort the request first). Returns whether a copy was forgotten.
+        Mutates: masks, ledger, tree structure, heaps.
+        """
+        self.last_now_s = now_s
+        path, pos, partial = self.tree.walk(list(page_keys[:depth_pages]))
+        if pos != depth_pages or partial is not None or not path:
+            return False
+        node = path[-1]
+        bit = 1 << tier
+        if not self._mask(node, kind) & bit:
+            return False
+        self.stats.num_lost_reported += 1
+        if kind is ItemKind.CHECKPOINT:
+            self._drop(node, kind, tier)
+            self._touch_checkpoint_neighbourhood(node)
+            if not node.ckpt_mask:
+                self._maybe_merge(node)
+            return True
+        if node.kv_mask & ~bit:
+            self._drop(node, kind, tier)
+            self._touch(node)
+            self._touch(node.parent)
+            return True
+        self._remove_subtree(node, now_s)
+        return True
+
+    def _remove_subtree(self, node: Node, now_s: float) -> None:
+        stack, order = [node], []
+        while stack:
+            n = stack.pop()
+            if n.lock_count:
+                raise HiStateError(f"report_lost: {n} is pinned by an open request; abort it first")
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # leaves first, so every removal is of a leaf
+            self._remove_node(n, now_s)
 
     def drain_ops(self) -> list[TierOp]:
         ops, self._ops = self._ops, []

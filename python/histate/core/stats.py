@@ -24,6 +24,7 @@ class CacheStats:
     evictions: Counter = field(default_factory=Counter)  # (unit, tier, outcome) -> count
     num_insert_failures: int = 0
     num_checkpoint_failures: int = 0
+    num_lost_reported: int = 0  # copies an executor found missing or corrupt (report_lost)
 
     def on_match(self, result: MatchResult, num_pages: int) -> None:
         self.num_requests += 1
