@@ -112,3 +112,11 @@ def test_report_lost_refuses_to_pull_pinned_kv():
     cache.abort_request(lease)
     assert cache.report_lost(A, 10, ItemKind.KV, Tier.GPU, 2.0)
     cache.check_invariants()
+
+
+def test_lost_kv_can_be_named_by_any_page_of_its_segment():
+    cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64))
+    serve(cache, A, 1.0, [10])
+    assert cache.report_lost(A, 3, ItemKind.KV, Tier.GPU, 2.0)  # page 2 of the 10-page segment
+    assert cache.tree.num_nodes == 0
+    cache.check_invariants()

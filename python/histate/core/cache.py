@@ -200,16 +200,21 @@ class HybridPrefixCache(Placement):
         """An executor found a copy missing or corrupt (a torn file, a failed read): forget it, so that
         later matches do not count on it. Faults become misses, never wrong results.
 
-        The item is the one a TierOp names: the checkpoint at `depth_pages`, or the KV segment ending
-        there. A KV segment lost from its only tier takes its whole subtree with it (I3); that subtree
+        The item is the checkpoint at `depth_pages`, or the KV segment holding page `depth_pages - 1`
+        (any page of it; a TierOp names its last). A KV segment lost from its only tier takes its whole subtree with it (I3); that subtree
         must not be pinned (abort the request first). Returns whether a copy was forgotten.
         Mutates: masks, ledger, tree structure, heaps.
         """
         self.last_now_s = now_s
         path, pos, partial = self.tree.walk(list(page_keys[:depth_pages]))
-        if pos != depth_pages or partial is not None or not path:
+        if pos != depth_pages or depth_pages == 0:
             return False
-        node = path[-1]
+        if kind is ItemKind.KV and partial is not None:
+            node = partial  # the page sits inside this segment
+        elif partial is None and path:
+            node = path[-1]
+        else:
+            return False
         bit = 1 << tier
         if not self._mask(node, kind) & bit:
             return False
@@ -236,8 +241,11 @@ class HybridPrefixCache(Placement):
                 raise HiStateError(f"report_lost: {n} is pinned by an open request; abort it first")
             order.append(n)
             stack.extend(n.children.values())
-        for n in reversed(order):  # leaves first, so every removal is of a leaf
-            self._remove_node(n, now_s)
+        parent = node.parent
+        for n in reversed(order):  # leaves first, so every removal is of a leaf; merge once at the end
+            self._remove_node(n, now_s, merge=False)
+        if parent.parent is not None:
+            self._maybe_merge(parent)
 
     def drain_ops(self) -> list[TierOp]:
         ops, self._ops = self._ops, []

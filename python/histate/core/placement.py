@@ -155,7 +155,7 @@ class Placement:
         self.controller.state_residence_s.observe(now_s - node.ckpt_created_s)
         return "drop"
 
-    def _remove_node(self, node: Node, now_s: float) -> None:
+    def _remove_node(self, node: Node, now_s: float, merge: bool = True) -> None:
         """Drop a leaf's KV and every copy of its checkpoint (the terminal bundle), then unlink it."""
         for tier in tiers_in(node.kv_mask):
             self._drop(node, ItemKind.KV, tier)
@@ -167,7 +167,8 @@ class Placement:
         self.tree.remove_leaf(node)
         if parent.parent is not None:
             self._touch_upward(parent)
-            self._maybe_merge(parent)
+            if merge:
+                self._maybe_merge(parent)
 
     def _maybe_merge(self, node: Node) -> None:
         """Fold a checkpoint-less node with one child into that child (keeps the tree compact)."""

@@ -35,6 +35,7 @@ from histate.reference.runner import ModelRunner
 from histate.reference.ssd import SsdObjects
 from histate.reference.tier_stores import (
     GpuCheckpointPool,
+    ObjectLost,
     KvPageStore,
     PackedCheckpointStore,
     SsdCheckpointStore,
@@ -106,6 +107,7 @@ class ReferenceExecutor:
         self.layout = gpu_pool.layout
         self.checkpoint_fault = checkpoint_fault
         self.op_counts: Counter = Counter()  # (action, kind, src, dst) -> ops applied
+        self.num_lost_objects = 0  # SSD objects found missing or corrupt, each served as a miss
 
     # --- serving -----------------------------------------------------------------------------
 
@@ -115,21 +117,23 @@ class ReferenceExecutor:
         if len(token_ids) < 1:
             raise ValueError("empty request")
         keys = page_keys(token_ids[:-1], page_num_tokens)
-        lease = self.cache.begin_request(keys, now_s)
+        for _ in range(len(keys) + 2):  # each lost object is reported once, so this terminates
+            lease = self.cache.begin_request(keys, now_s)
+            try:
+                self._apply(self.cache.drain_ops(), _Staged())
+                match = lease.match
+                c = match.num_reused_pages
+                kv_pages, kv_read, checkpoint = self._restore(keys, match, token_ids)
+                break
+            except ObjectLost as lost:  # a storage fault becomes a miss: forget the object, match again
+                self.cache.abort_request(lease)
+                self._report_lost(keys, lost, now_s)
+            except BaseException:
+                self.cache.abort_request(lease)
+                raise
+        else:
+            raise StoreMismatch("lost objects kept reappearing in the match")
         try:
-            self._apply(self.cache.drain_ops(), _Staged())
-            match = lease.match
-            c = match.num_reused_pages
-            kv_pages, kv_read = [], Counter()
-            for key in keys[:c]:
-                tier, page = self._read_kv(key)
-                kv_pages.append(page)
-                kv_read[tier] += 1
-            checkpoint = None
-            if c:
-                checkpoint = self.checkpoint_stores[match.checkpoint_tier].checkpoint(keys[c - 1], c * page_num_tokens)
-                if self.checkpoint_fault is not None:
-                    checkpoint = self.checkpoint_fault(token_ids, checkpoint)
             cache = restore_cache(self.runner.model, self.geometry, kv_pages, checkpoint)
             plan = tuple(self.cache.plan_checkpoints(lease, num_pages=len(keys)))
             prefill = self.runner.prefill(cache, token_ids, c * page_num_tokens,
@@ -160,6 +164,30 @@ class ReferenceExecutor:
             last_logits=prefill.last_logits,
             decode_logits=tuple(decode_logits),
         )
+
+    def _restore(self, keys: list, match, token_ids: list):
+        """KV pages of [0, c) and the checkpoint at c, from whichever tier holds them."""
+        c = match.num_reused_pages
+        kv_pages, kv_read = [], Counter()
+        for key in keys[:c]:
+            tier, page = self._read_kv(key)
+            kv_pages.append(page)
+            kv_read[tier] += 1
+        checkpoint = None
+        if c:
+            position = c * self.geometry.page_num_tokens
+            checkpoint = self.checkpoint_stores[match.checkpoint_tier].checkpoint(keys[c - 1], position)
+            if self.checkpoint_fault is not None:
+                checkpoint = self.checkpoint_fault(token_ids, checkpoint)
+        return kv_pages, kv_read, checkpoint
+
+    def _report_lost(self, keys: list, lost: ObjectLost, now_s: float) -> None:
+        depth = keys.index(lost.key) + 1
+        kind = ItemKind.CHECKPOINT if lost.is_checkpoint else ItemKind.KV
+        self.num_lost_objects += 1
+        if not self.cache.report_lost(keys, depth, kind, Tier.SSD, now_s):
+            raise StoreMismatch(f"the core does not hold the lost {kind.value} at page {depth}") from lost
+        self._apply(self.cache.drain_ops(), _Staged())
 
     def _read_kv(self, key: PageKey) -> tuple[Tier, torch.Tensor]:
         for tier in (Tier.GPU, Tier.CPU, Tier.SSD):

@@ -25,6 +25,16 @@ from histate.reference.page_keys import PageKey, key_name
 from histate.reference.ssd import SsdObjects
 
 
+class ObjectLost(RuntimeError):
+    """An SSD object the core counts on is missing or corrupt: a storage fault, which the executor
+    reports to the core (`report_lost`) so that the request is served as a miss instead."""
+
+    def __init__(self, message: str, key: PageKey, is_checkpoint: bool):
+        super().__init__(message)
+        self.key = key
+        self.is_checkpoint = is_checkpoint
+
+
 class StoreMismatch(RuntimeError):
     """The executor's stores disagree with an op or a match the core reported."""
 
@@ -88,7 +98,7 @@ class SsdKvPageStore:
             raise StoreMismatch(f"SSD KV has no page {key_name(key)}")
         raw = self.store.get(f"kv-{key_name(key)}")
         if raw is None:
-            raise StoreMismatch(f"SSD object for KV page {key_name(key)} is missing or corrupt")
+            raise ObjectLost(f"SSD object for KV page {key_name(key)} is missing or corrupt", key, False)
         return raw.view(self.geometry.kv_dtype).reshape(self.geometry.kv_page_shape)
 
     def delete(self, key: PageKey) -> None:
@@ -228,7 +238,7 @@ class SsdCheckpointStore:
             raise StoreMismatch(f"SSD checkpoint store has no {key_name(key)}")
         packed = self.store.get(f"ckpt-{key_name(key)}")
         if packed is None:
-            raise StoreMismatch(f"SSD object for checkpoint {key_name(key)} is missing or corrupt")
+            raise ObjectLost(f"SSD object for checkpoint {key_name(key)} is missing or corrupt", key, True)
         return packed
 
     def checkpoint(self, key: PageKey, position: int) -> Checkpoint:
