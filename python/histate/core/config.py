@@ -26,8 +26,10 @@ class CacheConfig:
     """Per-tier budget shared by KV and checkpoints; a tier absent here does not exist."""
     state_fraction: Mapping[Tier, float] = field(default_factory=dict)
     """Static-partition baselines only: fraction of each tier reserved for checkpoints."""
-    tau_s: float = 600.0
-    """Eq. 7 time scale: seconds of recency one unit of recompute-per-byte is worth."""
+    tau_s: float = 60.0
+    """Eq. 7 time scale: seconds of recency one unit of recompute-per-byte is worth. The paper gives
+    no value; 60 s was best or tied in a sweep (15/60/120/600/3600 s) on the Weka preset, the uncapped
+    Weka timing and the synthetic workload (docs/results.md), and matches agent turn gaps."""
     supported_intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
     """Eq. 5 candidate set of checkpoint intervals, in pages."""
     fixed_interval_pages: int = 288

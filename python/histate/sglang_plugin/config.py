@@ -193,7 +193,7 @@ class HiStateConfig:
     ssd_dirs: tuple[str, ...] = ()
     ssd_size_bytes: int = 0
     intervals_tokens: tuple[int, ...] = DEFAULT_INTERVALS_TOKENS
-    tau_s: float = 600.0
+    tau_s: float = 60.0
     host_state_slots: int = 0
     device_pool: str = "unified"
     ssd_backend: str = "auto"

@@ -43,7 +43,7 @@ class ReplayConfig:
     max_live_sessions: int = 24
     max_sessions: Optional[int] = None  # root sessions admitted in total (None: all)
     seed: int = 0
-    tau_s: float = 600.0
+    tau_s: float = 60.0
     intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
     engine: EngineConfig = field(default_factory=EngineConfig)
     step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline
