@@ -241,51 +241,48 @@ class HiStateStorageBackend(HiCacheStorage):
             return None
         return host_pool, page_size, keys
 
-    def batch_get_v2(self, transfers: List[PoolTransfer],
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+    def _per_pool(self, transfers: List[PoolTransfer], one_pool) -> dict:
+        """`one_pool(transfer, host_pool, page_size, keys) -> [bool]` for every pool of the batch; a pool
+        whose pages cannot be laid out answers False for each key (a miss, never an error)."""
         results: dict = {}
         for transfer in transfers:
             layout = self._pool_pages(transfer)
-            if layout is None:
-                results[transfer.name] = [False] * len(transfer.keys or [])
-                continue
-            host_pool, page_size, keys = layout
-            ok = []
-            for i, key in enumerate(keys):
-                ok.append(self.read_state(key, host_pool, int(transfer.host_indices[i * page_size]),
-                                          pool=transfer.name))
-            results[transfer.name] = ok
+            results[transfer.name] = ([False] * len(transfer.keys or []) if layout is None
+                                      else one_pool(transfer, *layout))
         return results
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        return self._per_pool(transfers, self._get_pool)
+
+    def _get_pool(self, transfer: PoolTransfer, host_pool, page_size: int, keys) -> list:
+        return [self.read_state(key, host_pool, int(transfer.host_indices[i * page_size]), pool=transfer.name)
+                for i, key in enumerate(keys)]
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        results: dict = {}
-        for transfer in transfers:
-            layout = self._pool_pages(transfer)
-            if layout is None:
-                results[transfer.name] = [False] * len(transfer.keys or [])
+        return self._per_pool(transfers, self._set_pool)
+
+    def _set_pool(self, transfer: PoolTransfer, host_pool, page_size: int, keys) -> list:
+        items, flags = [], []
+        for i, key in enumerate(keys):
+            store_key = self.store_key(transfer.name, key)
+            if self.store.exists(store_key):
+                flags.append(True)
                 continue
-            host_pool, page_size, keys = layout
-            items, flags = [], []
-            for i, key in enumerate(keys):
-                store_key = self.store_key(transfer.name, key)
-                if self.store.exists(store_key):
-                    flags.append(True)
-                    continue
-                page = host_pool.get_data_page(int(transfer.host_indices[i * page_size]), flat=True)
-                items.append((len(flags), store_key, page))
-                flags.append(False)
-            done = self.store.submit_put([(k, p) for _, k, p in items]).wait() if items else []
-            for (slot, _, page), result in zip(items, done):
-                flags[slot] = result.stored
-                if result.stored:
-                    self._count_io(written_bytes=page.numel() * page.element_size())
-                    if transfer.name != KV_POOL:
-                        self.num_states += 1
-                        if self.on_state_written is not None:
-                            self.on_state_written()
-            results[transfer.name] = flags
-        return results
+            page = host_pool.get_data_page(int(transfer.host_indices[i * page_size]), flat=True)
+            items.append((len(flags), store_key, page))
+            flags.append(False)
+        done = self.store.submit_put([(k, p) for _, k, p in items]).wait() if items else []
+        for (slot, _, page), result in zip(items, done):
+            flags[slot] = result.stored
+            if result.stored:
+                self._count_io(written_bytes=page.numel() * page.element_size())
+                if transfer.name != KV_POOL:
+                    self.num_states += 1
+                    if self.on_state_written is not None:
+                        self.on_state_written()
+        return flags
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
