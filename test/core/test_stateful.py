@@ -64,7 +64,8 @@ def machine_for(policy_name: str):
         def lose(self, keys, depth, kind, tier):
             depth = min(depth, len(keys))
             path, pos, partial = self.cache.tree.walk(keys[:depth])
-            start = path[-1].start_pages if path and pos == depth and partial is None else None
+            segment = partial if partial is not None else (path[-1] if path else None)
+            start = segment.start_pages if segment is not None else 0
             if self.cache.report_lost(keys, depth, kind, tier, self.tick()) and policy_name == "unlimited":
                 # the lost KV segment began at `start`: every cached prefix through its first page is gone
                 cut = tuple(keys[: start + 1])

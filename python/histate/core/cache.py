@@ -1,7 +1,7 @@
 """HybridPrefixCache: the radix tree + ledger + interval controller + a policy, as one pure engine.
 
 Owns every mutation of the tree's data (tier masks, checkpoints, locks, access times) and keeps
-invariants I1-I8 (docs/invariants.md; `check_invariants` in invariants.py). The life cycle of a
+invariants I1-I9 (docs/invariants.md; `check_invariants` in invariants.py). The life cycle of a
 request is begin_request -> plan_checkpoints -> finish_request (docs/core-api.md).
 
 Victim selection is a heap per pool with lazy invalidation: every structural change to a node bumps
@@ -11,8 +11,8 @@ score is higher is pushed back instead of evicted. No eviction scans the tree.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 import sys
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Optional, Sequence
@@ -80,13 +80,13 @@ class HybridPrefixCache(Placement):
         if self.policy.dense_checkpoints:
             c = m
             nodes_kv = path + ([partial] if partial is not None else [])
-        else:
-            for node in reversed(path):
-                if node.ckpt_mask:
-                    ckpt_node = node
-                    break
+        else:  # c: the deepest checkpoint on the matched path (checkpoints sit at node ends, I4)
+            i = len(path) - 1
+            while i >= 0 and not path[i].ckpt_mask:
+                i -= 1
+            ckpt_node = path[i] if i >= 0 else None
             c = ckpt_node.depth_pages if ckpt_node is not None else 0
-            nodes_kv = path[:path.index(ckpt_node) + 1] if ckpt_node is not None else []
+            nodes_kv = path[:i + 1]
         kv_page_bytes = self.config.kv_bytes_per_page
         kv_bytes: dict = {}
         done = 0
@@ -138,7 +138,7 @@ class HybridPrefixCache(Placement):
         for node in path:
             if node.depth_pages > result.num_reused_pages:
                 break
-            if not node.kv_mask & 1:
+            if not node.kv_mask & (1 << Tier.GPU):
                 self._promote_kv(node, now_s)
         return RequestLease(keys, result, lock_node, now_s)
 
@@ -157,7 +157,8 @@ class HybridPrefixCache(Placement):
 
         Mutates: tree structure, tier masks, ledger, lock counts, the residence-time EMAs (evictions).
         """
-        assert lease.is_open, "finish_request on a closed lease"
+        if not lease.is_open:
+            raise HiStateError("finish_request on a lease that was already finished or aborted")
         self.last_now_s = now_s
         keys = lease.page_keys if page_keys is None else list(page_keys)
         written_before = dict(self.stats.bytes_written_by_tier)
@@ -201,8 +202,9 @@ class HybridPrefixCache(Placement):
         later matches do not count on it. Faults become misses, never wrong results.
 
         The item is the checkpoint at `depth_pages`, or the KV segment holding page `depth_pages - 1`
-        (any page of it; a TierOp names its last). A KV segment lost from its only tier takes its whole subtree with it (I3); that subtree
-        must not be pinned (abort the request first). Returns whether a copy was forgotten.
+        (any page of it; a TierOp names its last). A KV segment lost from its only tier takes its whole
+        subtree with it (I3); that subtree must not be pinned (abort the request first). Returns whether
+        a copy was forgotten.
         Mutates: masks, ledger, tree structure, heaps.
         """
         self.last_now_s = now_s
