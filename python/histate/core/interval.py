@@ -63,7 +63,7 @@ class IntervalController:
     def __init__(self, checkpoint_pages_equiv: float, supported: Sequence[int], ema_alpha: float):
         self.checkpoint_pages_equiv = checkpoint_pages_equiv
         self.supported = tuple(supported)
-        self.kv_residence_s = Ema(ema_alpha)  # how long KV keeps its place in fast memory (GPU + CPU)
+        self.kv_residence_s = Ema(ema_alpha)  # how long KV keeps its place on the GPU
         self.state_residence_s = Ema(ema_alpha)  # how long a checkpoint survives in its home tier (SSD)
         self.first_state_write_s: Optional[float] = None
 

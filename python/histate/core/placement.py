@@ -11,7 +11,7 @@ from __future__ import annotations
 from .tree import Node
 from .types import ItemKind, Tier, TierOp, UnitKind, tiers_in
 
-FAST_MASK = (1 << Tier.GPU) | (1 << Tier.CPU)  # fast memory: where KV must stay to be cheap to reuse
+GPU_BIT = 1 << Tier.GPU
 
 
 class Placement:
@@ -122,8 +122,8 @@ class Placement:
             if outcome in ("shed", "demote") and not node.children and node.ckpt_mask & (1 << tier):
                 self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
         node.lock_count -= 1
-        if unit is UnitKind.BUNDLE and outcome != "stuck" and not node.kv_mask & FAST_MASK:
-            self.controller.kv_residence_s.observe(now_s - node.kv_created_s)  # T_KV: time KV held fast memory
+        if unit is UnitKind.BUNDLE and outcome != "stuck" and not node.kv_mask & GPU_BIT:
+            self.controller.kv_residence_s.observe(now_s - node.kv_created_s)  # T_KV: time KV held the GPU
         if outcome == "stuck":
             node.is_parked = True  # nothing moved; re-offered when touched or unlocked
             return
