@@ -128,10 +128,9 @@ class HiStateRuntime:
 
     def on_evicted(self, node: Any, unit: UnitKind, now_s: float) -> None:
         """Residence-time samples, with the core's definitions (histate.core.placement):
-        T_KV when a bundle's KV leaves fast memory (device and host), T_state when a checkpoint
-        loses its last copy."""
+        T_KV when a bundle's KV leaves the device, T_state when a checkpoint loses its last copy."""
         self.metrics.record_eviction(unit.value)
-        if unit is UnitKind.BUNDLE and not node.backuped and hasattr(node, "_hs_kv_created_s"):
+        if unit is UnitKind.BUNDLE and hasattr(node, "_hs_kv_created_s"):
             self.controller.kv_residence_s.observe(max(0.0, now_s - node._hs_kv_created_s))
         if (has_device_state(node) and not has_host_state(node) and not self.state_on_ssd(node)
                 and hasattr(node, "_hs_ckpt_created_s")):
