@@ -66,6 +66,7 @@ def run_once(args, mode: str) -> dict:
     from _urc_fixtures import QWEN35_LIKE_STATE, TINY_STATE, Driver, ManualClock, build_cache, build_pools, \
         publish_server_args
     from histate.sim.workloads import AgentWorkloadConfig, agent_workload
+    from histate.sglang_plugin.config import resolve_config
 
     torch.set_num_threads(1)
     page = args.page_tokens
@@ -83,7 +84,8 @@ def run_once(args, mode: str) -> dict:
     for kind in ("stock", "histate"):
         pools = build_pools(args.kv_pages * page, args.state_slots, page_size=page, max_context=1 << 17,
                             state_shape=TINY_STATE if args.tiny_states else QWEN35_LIKE_STATE)
-        cache = build_cache(kind, pools, **({"clock": clock} if kind == "histate" else {}))
+        histate_kwargs = {"clock": clock, "histate_config": resolve_config({"enable": True, "tau_s": args.tau}, {})}
+        cache = build_cache(kind, pools, **(histate_kwargs if kind == "histate" else {}))
         caches[kind] = (cache, Driver(cache, pools), pools)
     histate_cache = caches["histate"][0]
     grid = histate_cache.histate.grid_tokens
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--state-slots", type=int, default=48, help="device state pool, slots")
     parser.add_argument("--chunk-tokens", type=int, default=8192, help="stock placement's chunked prefill size")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tau", type=float, default=60.0, help="HiState's eq. 7 time scale, s (--histate-tau)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny-states", action="store_true",
                         help="states of ~17 KV-token equivalents instead of Qwen3.5-9B's ~1,540: the "
