@@ -96,24 +96,36 @@ def load_workload(args):
     return load_trace(trace, args.format, options)
 
 
-def replay_command(args) -> int:
+def build_config(args, page_num_tokens: int):
     from dataclasses import replace
 
     from .sim.costs import CalibratedStepCost, PrefillProfile, get_hardware, get_model
-    from .sim.replay import ReplayConfig, replay_policies
-    from .sim.report import build_summary, format_table, write_outputs
+    from .sim.replay import ReplayConfig
 
-    workload = load_workload(args)
+    model, hardware = get_model(args.model), get_hardware(args.hardware)  # unknown names fail here
     config = ReplayConfig(model=args.model, hardware=args.hardware, gpu_cache_bytes=args.gpu_gib,
                           cpu_cache_bytes=args.cpu_gib, ssd_cache_bytes=args.ssd_gib,
                           max_live_sessions=args.max_live_sessions, max_sessions=args.max_sessions, seed=args.seed,
                           tau_s=args.tau, intervals_pages=args.intervals)
     if args.h2d_gbps or args.ssd_gbps:
-        hw = get_hardware(args.hardware).with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps)
-        config = replace(config, hardware_spec=hw)
+        config = replace(config, hardware_spec=hardware.with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps))
     if args.calibration:
         profile = PrefillProfile.from_csv(args.calibration)
-        config = replace(config, step_cost=CalibratedStepCost(get_model(args.model), config.resolved_hardware(), profile))
+        config = replace(config, step_cost=CalibratedStepCost(model, config.resolved_hardware(), profile))
+    config.cache_config(page_num_tokens)  # validates the budgets and knobs (ConfigError names the field)
+    return config
+
+
+def replay_command(args) -> int:
+    from .sim.replay import replay_policies
+    from .sim.report import build_summary, format_table, write_outputs
+
+    try:  # bad input (trace, profile, names, budgets) is reported in one line naming its source
+        workload = load_workload(args)
+        config = build_config(args, workload.page_num_tokens)
+    except (ValueError, OSError) as err:
+        print(f"histate replay: error: {err}", file=sys.stderr)
+        return 2
     stats = workload.stats
     print(f"workload {workload.name}: {stats.sessions} sessions (+{stats.subagent_sessions} subagents), "
           f"{stats.requests} requests, {stats.input_tokens / 1e6:.1f}M input tokens; dropped by max-context "

@@ -120,3 +120,13 @@ def test_cli_replays_and_writes_reports(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert set(summary["policies"]) == {"histate", "vllm-disk", "unlimited"}
     assert (tmp_path / "requests.csv").read_text().count("\n") == 1 + 3 * 6 * 16
+
+
+def test_cli_reports_bad_input_in_one_line_naming_file_line_and_field(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "t1", "requests": [{"t": 0, "in": "abc"}]}\n')
+    assert cli_main(["replay", "--trace", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("histate replay: error: ") and f"{bad}:1: requests[0].in" in err
+    assert cli_main(["replay", "--model", "nope", "--no-progress"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
