@@ -29,3 +29,25 @@ def test_core_imports_with_torch_and_sglang_blocked():
             "import histate.core as c; print(len(c.available_policies()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout) == 10
+
+
+def _top_level_imports(path: Path) -> set:
+    """Module-level imports (a function may import an optional dependency lazily, on demand)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_only_the_plugin_imports_sglang_and_the_simulator_needs_no_torch():
+    package = CORE.parent
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package)
+        imports = _top_level_imports(path)
+        if rel.parts[0] != "sglang_plugin":
+            assert "sglang" not in imports, f"histate/{rel} imports sglang (only sglang_plugin may)"
+        if rel.parts[0] in ("sim", "core", "storage") or rel.name == "cli.py":
+            assert "torch" not in imports, f"histate/{rel} imports torch"
