@@ -71,14 +71,18 @@ class KvPageStore:
             raise StoreMismatch(f"{self.tier_name} KV cannot drop missing page {key_name(key)}")
 
 
-class SsdKvPageStore:
-    """KV pages as raw bytes in the SSD object store (one object per page)."""
+class _SsdNamedObjects:
+    """Items kept as named objects in the SSD object store; subclasses say how an item becomes bytes.
+    A missing or corrupt object raises ObjectLost (a storage fault the executor turns into a miss);
+    any other disagreement with the core raises StoreMismatch."""
 
     tier_name = "SSD"
+    prefix = ""
+    what = ""
+    is_checkpoint = False
 
-    def __init__(self, store: SsdObjects, geometry: StateGeometry):
+    def __init__(self, store: SsdObjects):
         self.store = store
-        self.geometry = geometry
         self.names: set[PageKey] = set()
 
     def __contains__(self, key: PageKey) -> bool:
@@ -87,25 +91,45 @@ class SsdKvPageStore:
     def keys(self) -> Iterable[PageKey]:
         return self.names
 
-    def write(self, key: PageKey, page: torch.Tensor) -> None:
+    def _name(self, key: PageKey) -> str:
+        return f"{self.prefix}-{key_name(key)}"
+
+    def write(self, key: PageKey, item: torch.Tensor) -> None:
         if key in self.names:
-            raise StoreMismatch(f"SSD KV already holds page {key_name(key)}")
-        self.store.put(f"kv-{key_name(key)}", page.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1))
+            raise StoreMismatch(f"SSD {self.what} store already holds {key_name(key)}")
+        self.store.put(self._name(key), self._encode(item))
         self.names.add(key)
 
     def read(self, key: PageKey) -> torch.Tensor:
         if key not in self.names:
-            raise StoreMismatch(f"SSD KV has no page {key_name(key)}")
-        raw = self.store.get(f"kv-{key_name(key)}")
+            raise StoreMismatch(f"SSD {self.what} store has no {key_name(key)}")
+        raw = self.store.get(self._name(key))
         if raw is None:
-            raise ObjectLost(f"SSD object for KV page {key_name(key)} is missing or corrupt", key, False)
-        return raw.view(self.geometry.kv_dtype).reshape(self.geometry.kv_page_shape)
+            raise ObjectLost(f"SSD object for {self.what} {key_name(key)} is missing or corrupt", key,
+                             self.is_checkpoint)
+        return self._decode(raw)
 
     def delete(self, key: PageKey) -> None:
         if key not in self.names:
-            raise StoreMismatch(f"SSD KV cannot drop missing page {key_name(key)}")
-        self.store.delete(f"kv-{key_name(key)}")
+            raise StoreMismatch(f"SSD {self.what} store cannot drop missing {key_name(key)}")
+        self.store.delete(self._name(key))
         self.names.discard(key)
+
+
+class SsdKvPageStore(_SsdNamedObjects):
+    """KV pages as raw bytes in the SSD object store (one object per page)."""
+
+    prefix, what = "kv", "KV page"
+
+    def __init__(self, store: SsdObjects, geometry: StateGeometry):
+        super().__init__(store)
+        self.geometry = geometry
+
+    def _encode(self, page: torch.Tensor) -> torch.Tensor:
+        return page.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+
+    def _decode(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw.view(self.geometry.kv_dtype).reshape(self.geometry.kv_page_shape)
 
 
 def checkpoint_from_packed(packed: torch.Tensor, layout: CheckpointLayout, position: int) -> Checkpoint:
@@ -210,42 +234,21 @@ class PackedCheckpointStore:
             raise StoreMismatch(f"CPU checkpoint store cannot drop missing {key_name(key)}")
 
 
-class SsdCheckpointStore:
+class SsdCheckpointStore(_SsdNamedObjects):
     """Checkpoints on SSD: one packed object each, written and read with one I/O."""
 
-    tier_name = "SSD"
+    prefix, what, is_checkpoint = "ckpt", "checkpoint", True
 
     def __init__(self, store: SsdObjects, layout: CheckpointLayout):
-        self.store = store
+        super().__init__(store)
         self.layout = layout
-        self.names: set[PageKey] = set()
 
-    def __contains__(self, key: PageKey) -> bool:
-        return key in self.names
-
-    def keys(self) -> Iterable[PageKey]:
-        return self.names
-
-    def write(self, key: PageKey, packed: torch.Tensor) -> None:
-        if key in self.names:
-            raise StoreMismatch(f"SSD checkpoint store already holds {key_name(key)}")
+    def _encode(self, packed: torch.Tensor) -> torch.Tensor:
         self.layout.check_buffer(packed)
-        self.store.put(f"ckpt-{key_name(key)}", packed.to("cpu"))
-        self.names.add(key)
+        return packed.to("cpu")
 
-    def read(self, key: PageKey) -> torch.Tensor:
-        if key not in self.names:
-            raise StoreMismatch(f"SSD checkpoint store has no {key_name(key)}")
-        packed = self.store.get(f"ckpt-{key_name(key)}")
-        if packed is None:
-            raise ObjectLost(f"SSD object for checkpoint {key_name(key)} is missing or corrupt", key, True)
-        return packed
+    def _decode(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw
 
     def checkpoint(self, key: PageKey, position: int) -> Checkpoint:
         return checkpoint_from_packed(self.read(key), self.layout, position)
-
-    def delete(self, key: PageKey) -> None:
-        if key not in self.names:
-            raise StoreMismatch(f"SSD checkpoint store cannot drop missing {key_name(key)}")
-        self.store.delete(f"ckpt-{key_name(key)}")
-        self.names.discard(key)
