@@ -221,18 +221,11 @@ class HybridPrefixCache(Placement):
         if not self._mask(node, kind) & bit:
             return False
         self.stats.num_lost_reported += 1
-        if kind is ItemKind.CHECKPOINT:
-            self._drop(node, kind, tier)
-            self._touch_checkpoint_neighbourhood(node)
-            if not node.ckpt_mask:
-                self._maybe_merge(node)
+        if kind is ItemKind.KV and not node.kv_mask & ~bit:
+            self._remove_subtree(node, now_s)
             return True
-        if node.kv_mask & ~bit:
-            self._drop(node, kind, tier)
-            self._touch(node)
-            self._touch(node.parent)
-            return True
-        self._remove_subtree(node, now_s)
+        self._drop(node, kind, tier)
+        self._settle(node, checkpoint_gone=kind is ItemKind.CHECKPOINT and not node.ckpt_mask)
         return True
 
     def _remove_subtree(self, node: Node, now_s: float) -> None:

@@ -122,16 +122,20 @@ class Placement:
             if outcome in ("shed", "demote") and not node.children and node.ckpt_mask & (1 << tier):
                 self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
         node.lock_count -= 1
-        if unit is UnitKind.BUNDLE and outcome != "stuck" and not node.kv_mask & GPU_BIT:
-            self.controller.kv_residence_s.observe(now_s - node.kv_created_s)  # T_KV: time KV held the GPU
         if outcome == "stuck":
             node.is_parked = True  # nothing moved; re-offered when touched or unlocked
             return
+        if unit is UnitKind.BUNDLE and not node.kv_mask & GPU_BIT:
+            self.controller.kv_residence_s.observe(now_s - node.kv_created_s)  # T_KV: time KV held the GPU
         self.stats.on_eviction(unit, tier, outcome)
         if outcome == "drop" and unit is UnitKind.BUNDLE:
             self._remove_node(node, now_s)
             return
-        if outcome == "drop":  # the checkpoint is gone: neighbours' costs change
+        self._settle(node, checkpoint_gone=outcome == "drop")
+
+    def _settle(self, node: Node, checkpoint_gone: bool) -> None:
+        """Re-rank after a copy of `node` left a tier (eviction or a reported loss)."""
+        if checkpoint_gone:  # neighbours' costs change; the node may fold into its child
             self._touch_checkpoint_neighbourhood(node)
             self._maybe_merge(node)
         else:  # a copy moved or was shed: the node's units changed, its parent may be a tier leaf now
