@@ -90,7 +90,7 @@ def load_workload(args):
     if trace is None:
         return demo_workload(seed=args.seed)
     if not trace.exists():
-        raise SystemExit(f"histate replay: --trace {trace}: no such file or directory")
+        raise FileNotFoundError(f"--trace {trace}: no such file or directory")
     options = LoadOptions(max_context_num_tokens=args.max_context, max_gap_s=args.max_gap,
                           progress=not args.no_progress)
     return load_trace(trace, args.format, options)
