@@ -89,11 +89,7 @@ class _Replay:
         self.in_flight: dict = {}  # uid -> (lease, positions, record)
         self.records: list = []
         self.written = {Tier.CPU: 0, Tier.SSD: 0}
-        roots = list(workload.sessions)
-        random.Random(config.seed).shuffle(roots)
-        if config.max_sessions is not None:
-            roots = roots[: config.max_sessions]
-        self.queue = roots[::-1]  # pop() from the end = next in the seeded order
+        self.queue = admission_order(workload, config)[::-1]  # pop() from the end = next in order
         self.num_live = 0
 
     def run(self) -> PolicyRun:
@@ -220,12 +216,15 @@ def replay_policies(workload: Workload, policies: Sequence[str], config: ReplayC
     return runs
 
 
-def _num_admitted_requests(workload: Workload, config: ReplayConfig) -> int:
+def admission_order(workload: Workload, config: ReplayConfig) -> list:
+    """The root sessions a replay admits, in order: a seeded shuffle, the same for every policy."""
     roots = list(workload.sessions)
     random.Random(config.seed).shuffle(roots)
-    if config.max_sessions is not None:
-        roots = roots[: config.max_sessions]
-    return sum(len(s.requests) for root in roots for s in root.iter_sessions())
+    return roots if config.max_sessions is None else roots[: config.max_sessions]
+
+
+def _num_admitted_requests(workload: Workload, config: ReplayConfig) -> int:
+    return sum(len(s.requests) for root in admission_order(workload, config) for s in root.iter_sessions())
 
 
 def _progress_bar(total: int, name: str):
