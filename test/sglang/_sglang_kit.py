@@ -17,9 +17,11 @@ leave the cache under test untouched; see its docstring for what is shared and w
 from __future__ import annotations
 
 import contextlib
+import copy
 import copyreg
 import io
 import pickle
+import types
 from typing import Any, Iterator
 from unittest import mock
 
@@ -84,39 +86,42 @@ def _share(obj: Any) -> tuple:
     return _shared, (len(_SHARED) - 1,)
 
 
-def _data_versions(allocator: Any, req_to_token_pool: Any) -> list[int]:
-    kv = allocator.get_kvcache().full_kv_pool
-    states = req_to_token_pool.mamba_pool.mamba_cache
-    return [t._version for t in (*kv.k_buffer, *kv.v_buffer, *states.conv, states.temporal)]
-
-
 @contextlib.contextmanager
-def snapshot(cache: Any, allocator: Any, req_to_token_pool: Any) -> Iterator[tuple]:
+def snapshot(cache: Any, allocator: Any, req_to_token_pool: Any, *, share_tensors: bool = True) -> Iterator[tuple]:
     """A copy of (cache, allocator, req_to_token_pool) for a destructive probe.
 
-    The tree, ledgers, ranker and allocators are copied (a pickle round trip: several times
-    faster than `copy.deepcopy` on these graphs); every tensor and the two data pools (KV and
-    state buffers) are shared, because eviction only moves slot-id tensors between the tree and
-    the free lists, replacing them rather than writing into them. The block checks that claim
-    through torch's in-place version counters and fails if the probe wrote a shared tensor.
+    With `share_tensors`, the object graph (tree, ledgers, ranker, allocators, pools) is copied
+    by a pickle round trip (several times faster than `copy.deepcopy` on it; modules and the KV
+    pool object are shared) and tensors are shared,
+    not copied: on SGLang's separate KV and state pools eviction only moves slot-id tensors
+    between the tree and the free lists, replacing them rather than writing into them. The
+    block checks that claim through torch's in-place version counters and fails if the probe
+    wrote a shared tensor. The unified device pool compacts on free (it moves bytes and rewrites
+    its slot tables), so it is probed with `share_tensors=False`: a full deep copy.
     """
-    data_pools = (allocator.get_kvcache(), req_to_token_pool.mamba_pool)
+    graph = (cache, allocator, req_to_token_pool)
+    if not share_tensors:  # torch's deepcopy keeps views on their (copied) storage
+        with mock.patch.dict(copy._deepcopy_dispatch, {types.ModuleType: copy._deepcopy_atomic}):
+            yield copy.deepcopy(graph)
+        return
+    kv_pool = allocator.get_kvcache()  # KV data and a lambda (memory_pool.py:4278); no allocation state
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _share,
-                              **{type(pool): _share for pool in data_pools}}
+    pickler.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: _share, types.ModuleType: _share,
+                              type(kv_pool): _share}
     _SHARED.clear()
-    pickler.dump((cache, allocator, req_to_token_pool))
+    pickler.dump(graph)
     probe = pickle.loads(buffer.getvalue())
-    shared = [(t, t._version) for t in _SHARED if isinstance(t, torch.Tensor)]
-    data = _data_versions(allocator, req_to_token_pool)
+    kv_data = [*kv_pool.full_kv_pool.k_buffer, *kv_pool.full_kv_pool.v_buffer]
+    shared = [(t, t._version) for t in [*_SHARED, *kv_data] if isinstance(t, torch.Tensor)]
     _SHARED.clear()
     yield probe
-    assert all(t._version == version for t, version in shared), "a probe wrote a tensor shared with the cache"
-    assert _data_versions(allocator, req_to_token_pool) == data, "a probe wrote pool data"
+    written = [tuple(t.shape) for t, version in shared if t._version != version]
+    assert not written, f"the probe wrote tensors it shares with the cache under test: shapes {written}"
 
 
-def assert_evict_frees_what_the_ledger_reports(cache: Any, allocator: Any, req_to_token_pool: Any) -> None:
+def assert_evict_frees_what_the_ledger_reports(cache: Any, allocator: Any, req_to_token_pool: Any, *,
+                                               share_tensors: bool = True) -> None:
     """SGLang's admission contract, probed on a copy: `evict(n)` frees at least
     min(n, `mamba_evictable_size()`) state slots, and then min(n, `full_evictable_size()`) KV
     tokens. PrefillAdder and `ensure_mamba_capacity` admit against these two numbers
@@ -124,7 +129,7 @@ def assert_evict_frees_what_the_ledger_reports(cache: Any, allocator: Any, req_t
     scheduler ("Can not alloc mamba cache", mamba.py:221/552) or over-admits."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    with snapshot(cache, allocator, req_to_token_pool) as (probe, probe_allocator, probe_pool):
+    with snapshot(cache, allocator, req_to_token_pool, share_tensors=share_tensors) as (probe, probe_allocator, probe_pool):
         states = probe.mamba_evictable_size()
         free_before = probe_pool.mamba_allocator.available_size()
         probe.evict(EvictParams(num_tokens=0, mamba_num=states))

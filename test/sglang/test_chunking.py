@@ -8,6 +8,7 @@ import pytest
 
 from histate.sglang_plugin.chunking import align_chunk_end, count_prefill_passes
 
+from ._scheduler_round import prefill_round
 from ._urc_fixtures import PAGE, build_cache, build_pools, publish_server_args
 
 PLAN = [3072, 6144, 9216, 12288, 15360, 18432, 20480]  # interval 3072 over a 20480-token prompt
@@ -62,30 +63,7 @@ def _req(first_token, num_tokens=PROMPT):
 
 
 def _prefill_round(cache, pools, chunked_req, waiting):
-    """One prefill admission round of `Scheduler._get_new_batch_prefill_raw` (scheduler.py
-    4155-4327) with its real `PrefillAdder`, keeping the steps that decide who runs and which
-    request is chunked: the continuing chunk first (4176-4184), then the waiting queue in order,
-    stopping on `budget_state() == OTHER` (4207) or a non-CONTINUE `add_one_req` (4270-4306),
-    then taking `adder.new_chunked_req` (4324-4327, the assert included). Returns the adder and
-    the scheduler's `chunked_req` after the round."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
-
-    adder = PrefillAdder(PAGE, cache, pools.allocator, None, new_token_ratio=0.7,
-                         rem_input_tokens=16 * 1024, rem_chunk_tokens=CHUNK)
-    if chunked_req is not None:
-        chunked_req.init_next_round_input()
-        chunked_req = adder.add_chunked_req(chunked_req)
-    for req in waiting:
-        if adder.budget_state() == AddReqResult.OTHER:
-            break
-        req.init_next_round_input(cache)
-        if adder.add_one_req(req, has_chunked_req=chunked_req is not None,
-                             truncation_align_size=None) != AddReqResult.CONTINUE:
-            break
-    if adder.new_chunked_req is not None:
-        assert chunked_req is None, "scheduler.py:4326: a new chunked request next to a continuing one"
-        chunked_req = adder.new_chunked_req
-    return adder, chunked_req
+    return prefill_round(cache, pools.allocator, PAGE, chunked_req, waiting, rem_chunk_tokens=CHUNK)
 
 
 def _truncated(adder):
@@ -141,7 +119,7 @@ def test_continuing_chunks_never_share_a_batch_with_a_new_chunked_request(sglang
     continuing chunk is admitted first; when it is cut again the round must end. Before the fix
     HiState's cut of the continuing chunk left budget, the waiting prompt was admitted and
     chunked, and the scheduler's `assert self.chunked_req is None` fired (here: AssertionError
-    from `_prefill_round`). The chunk ends are SGLang's cuts (stock) or the planned positions
+    from `prefill_round`). The chunk ends are SGLang's cuts (stock) or the planned positions
     (HiState, floor), and the last chunk is never shortened."""
     cache, pools = _cache(kind)
     long_prompt, waiting = _req(10_000), _req(50_000)

@@ -264,6 +264,44 @@ def test_copy_on_write_admissions_back_to_back(sglang_plugins, kind):
         cache.histate.ranker.check_offered()
 
 
+@pytest.mark.parametrize("kind", ["stock", "histate"])
+@pytest.mark.parametrize("skip_decode_lock", [False, True])
+def test_decode_hold_with_and_without_its_state_lock(sglang_plugins, kind, skip_decode_lock):
+    """SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK: after a running request's checkpoint, SGLang re-locks
+    its node without the Mamba lock (unified_radix_cache.py:1300-1314), so the state it already
+    copied may be evicted during decode. Through the real `checkpoint` and `release` paths: the
+    held state is evictable exactly when the option is on, eviction frees it, and HiState ranks
+    it as a checkpoint unit (H4) while the KV path stays pinned."""
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture
+    from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
+    from sglang.test.mem_cache_utils import finish_req
+
+    from ._sglang_kit import FULL_MAMBA_CONFIGS, assert_evict_frees_what_the_ledger_reports, assert_histate_invariants, kit_on_cpu
+
+    kit = UnifiedRadixCacheFixtures()
+    kit.cfg = FULL_MAMBA_CONFIGS[0]
+    with kit_on_cpu(kind):
+        cache, allocator, pool = build_fixture(kit.cfg)
+    with envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.override(skip_decode_lock):
+        req, _ = kit._make_inflight_req(cache, allocator, pool, list(range(1, 33)))
+        cache.checkpoint(req, up_to=32)  # what a running request does at its prompt end
+        node = cache.tree_core.node_by_id(req.last_node)
+        assert node.component_data[ComponentType.FULL].lock_ref == 1
+        assert node.component_data[ComponentType.MAMBA].lock_ref == (0 if skip_decode_lock else 1)
+        assert cache.mamba_evictable_size() == (1 if skip_decode_lock else 0)
+        assert_histate_invariants(cache)
+        assert_evict_frees_what_the_ledger_reports(cache, allocator, pool)
+        freed = cache.evict(EvictParams(num_tokens=32, mamba_num=1))
+        assert (freed.mamba_num_evicted, freed.num_tokens_evicted) == ((1, 0) if skip_decode_lock else (0, 0))
+        assert kit_match(cache, list(range(1, 33))) == (0 if skip_decode_lock else 32)
+        finish_req(cache, req, 32)
+        cache.sanity_check()
+        assert_histate_invariants(cache)
+
+
 def kit_match(cache, tokens) -> int:
     from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
 
