@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .core import available_policies
-from .core.config import DEFAULT_INTERVALS_PAGES
+from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S
 
 GiB = 2**30
 
@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--h2d-gbps", type=float, help="host-to-device bandwidth, GB/s (preset: 64)")
     sim.add_argument("--ssd-gbps", type=float, help="SSD bandwidth, GB/s (preset: 5)")
     sim.add_argument("--max-live-sessions", type=int, default=24, help="live root sessions at once (24)")
-    sim.add_argument("--tau", type=float, default=60.0, help="eq. 7 time scale tau, seconds (60; sweep in docs/results.md)")
+    sim.add_argument("--tau", type=float, default=DEFAULT_TAU_S,
+                     help=f"eq. 7 time scale tau, seconds ({DEFAULT_TAU_S:g}; sweep in docs/results.md)")
     sim.add_argument("--intervals", type=_intervals, default=DEFAULT_INTERVALS_PAGES,
                      help="supported checkpoint intervals in 64-token pages, comma-separated")
     sim.add_argument("--calibration", type=Path, help="CSV of measured prefill latency (num_tokens,context_num_tokens,latency_s) replacing the roofline")

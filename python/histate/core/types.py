@@ -19,6 +19,12 @@ class Tier(enum.IntEnum):
 
 ALL_TIERS = (Tier.GPU, Tier.CPU, Tier.SSD)
 
+GPU_BIT, CPU_BIT, SSD_BIT = 1 << Tier.GPU, 1 << Tier.CPU, 1 << Tier.SSD
+"""Tier bits of `Node.kv_mask` / `Node.ckpt_mask` (every executor's node view uses the same bits)."""
+
+SGLANG_TIER_NAMES = {Tier.GPU: "device", Tier.CPU: "host", Tier.SSD: "storage"}
+"""SGLang's names for the tiers (HiCache L1 / L2 / L3); metrics and logs of the plugin use them."""
+
 
 def tier_bit(tier: Tier) -> int:
     return 1 << int(tier)

@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core import CacheConfig, Tier, make_cache
-from ..core.config import DEFAULT_INTERVALS_PAGES
+from ..core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, Tier, make_cache
 from .costs import HardwareSpec, RooflineStepCost, get_hardware, get_model
 from .engine import Engine, EngineConfig, EngineRequest, EventKind
 from .metrics import PolicyRun, RequestRecord
@@ -43,7 +42,7 @@ class ReplayConfig:
     max_live_sessions: int = 24
     max_sessions: Optional[int] = None  # root sessions admitted in total (None: all)
     seed: int = 0
-    tau_s: float = 60.0
+    tau_s: float = DEFAULT_TAU_S
     intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
     engine: EngineConfig = field(default_factory=EngineConfig)
     step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline

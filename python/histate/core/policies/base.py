@@ -2,10 +2,12 @@
 
 A policy is a small class: a few flags (which tiers, inclusive or exclusive placement, where
 historical checkpoints go, refresh rule, static split) and two decisions:
-  admit(ctx)                  -> checkpoint depths (pages) for a request's new segment
-  score(cache, node, unit, t) -> eviction priority; the lowest is evicted first. Contract: a score
-                                 is never below the unit's last access time (GreedyDual form
-                                 t + non-negative term), which lets the victim heap rank lazily.
+  admit(ctx)                   -> checkpoint depths (pages) for a request's new segment
+  score(ctx, node, unit, bit)  -> eviction priority; the lowest is evicted first. `ctx` is a
+                                  `ScoringContext` (never the cache); `node` anything with the core
+                                  node's read-only shape (docs/core-api.md). Contract: a score is never
+                                  below the unit's last access time (GreedyDual form t + non-negative
+                                  term), which lets the victim heap rank lazily (victims.py).
 Policies never mutate the tree; the cache applies their decisions (docs/policies.md).
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
 from ..units import last_access_s
 
@@ -42,7 +45,7 @@ class Policy:
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)
 
-    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
+    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         return last_access_s(node, unit, bit)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from . import register_policy
 from .base import AdmissionContext, Policy, fixed_grid, terminal_only
+from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
 from ..units import expected_recompute_tokens, last_access_s, reclaim_tokens
 
@@ -26,11 +27,10 @@ class HiState(Policy):
             positions = sorted(set(positions) | {ctx.kv_match_pages})
         return positions
 
-    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
-        cfg = cache.config
-        cost = expected_recompute_tokens(node, unit, cache.terminal_prob, cfg.page_num_tokens)
-        reclaim = reclaim_tokens(node, unit, bit, cfg.page_num_tokens, cfg.checkpoint_token_equiv)
-        return last_access_s(node, unit, bit) + cfg.tau_s * cost / reclaim
+    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens)
+        reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
 
 
 @register_policy
@@ -54,5 +54,5 @@ class HiStateLruDisk(HiState):
     name = "histate-lru-disk"
     refresh_all = False
 
-    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
+    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         return last_access_s(node, unit, bit)

@@ -1,0 +1,102 @@
+"""Per-cache policy state: the statistics a policy learns online and the rules that use them.
+
+One `PolicyState` per cache, whoever owns the tree: `HybridPrefixCache` (the simulator and the
+reference executor) and the SGLang plugin's adapter both hold one, so refresh-on-hit, the terminal-hit
+EMA, the residence-time samples behind eq. 4, checkpoint admission and eq. 7 scoring are written once.
+Nodes are read and stamped through the core node shape (docs/core-api.md: `kv_access_s`,
+`ckpt_access_s`, `ckpt_mask`, `depth_pages`, `kv_created_s`, `ckpt_created_s`, ...); time is whatever
+monotone clock the executor passes in (simulated time, or a logical clock agreed by every rank).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .config import CacheConfig
+from .interval import Ema, IntervalController
+from .policies import AdmissionContext, Policy
+from .scoring import ScoringContext
+from .types import UnitKind
+from .units import last_access_s
+
+
+class PolicyState:
+    def __init__(self, policy: Policy, config: CacheConfig):
+        self.policy = policy
+        self.config = config
+        self.controller = IntervalController(
+            config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
+            config.ema_alpha)
+        self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
+        self._ctx = ScoringContext.of(config, self.terminal_hits.value)
+
+    # --- scoring (eq. 7) ---------------------------------------------------------------------------
+
+    @property
+    def terminal_prob(self) -> float:
+        return self.terminal_hits.value
+
+    @property
+    def scoring(self) -> ScoringContext:
+        """The context scores are computed with; changes only when the terminal-hit EMA moves."""
+        return self._ctx
+
+    def score(self, node, unit: UnitKind, bit: int) -> float:
+        return self.policy.score(self._ctx, node, unit, bit)
+
+    @staticmethod
+    def bound(node, unit: UnitKind, bit: int) -> float:
+        """A lower bound of every policy's score (victims.py pushes entries with it)."""
+        return last_access_s(node, unit, bit)
+
+    # --- what a hit teaches ------------------------------------------------------------------------
+
+    def observe_match(self, num_kv_pages: int, is_terminal_hit: bool) -> None:
+        """A request matched: update q, the share of hits that land on a terminal checkpoint."""
+        if num_kv_pages > 0:
+            self.terminal_hits.observe(1.0 if is_terminal_hit else 0.0)
+            self._ctx = ScoringContext.of(self.config, self.terminal_hits.value)
+
+    def refresh(self, kv_path: Sequence, ckpt_path: Sequence, ckpt_node, now_s: float) -> None:
+        """Refresh on a hit: KV along the matched path (`kv_path`), the used checkpoint, and for
+        refresh-all policies every checkpoint above it on the path (`ckpt_path`, root first; paper
+        §3.3: eq. 7's cost term still sparsifies them)."""
+        for node in kv_path:
+            node.kv_access_s = now_s
+        if ckpt_node is None:
+            return
+        ckpt_node.ckpt_access_s = now_s
+        if self.policy.refresh_all:
+            depth = ckpt_node.depth_pages
+            for node in ckpt_path:
+                if node.ckpt_mask and node.depth_pages < depth:
+                    node.ckpt_access_s = now_s
+
+    # --- admission (eq. 3-6) -----------------------------------------------------------------------
+
+    def plan(self, start_pages: int, kv_match_pages: int, end_pages: int, now_s: float) -> list[int]:
+        """Checkpoint depths (pages) for a request's new segment (start, end]."""
+        if self.policy.dense_checkpoints:
+            return []
+        ctx = AdmissionContext(start_pages, kv_match_pages, end_pages, self.controller, self.config, now_s)
+        return self.policy.admit(ctx)
+
+    # --- residence samples (T_KV, T_state of eq. 4) ------------------------------------------------
+
+    def on_kv_left_gpu(self, node, now_s: float) -> None:
+        """A bundle's KV left the GPU: one sample of T_KV (its stay there)."""
+        self.controller.kv_residence_s.observe(max(0.0, now_s - node.kv_created_s))
+
+    def on_state_gone(self, node, now_s: float) -> None:
+        """A checkpoint lost its last copy: one sample of T_state."""
+        self.controller.state_residence_s.observe(max(0.0, now_s - node.ckpt_created_s))
+
+    def on_state_residence(self, residence_s: float) -> None:
+        """A T_state sample measured by a store (the SSD tier reports the age of what it evicts)."""
+        self.controller.state_residence_s.observe(max(0.0, residence_s))
+
+    def on_state_written(self, now_s: float) -> None:
+        """A checkpoint reached its home tier (starts the censored T_state estimate)."""
+        self.controller.note_state_written(now_s)
+
+    def pressure_ratio(self, now_s: Optional[float] = None) -> float:
+        return self.controller.pressure_ratio(now_s)

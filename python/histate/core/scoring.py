@@ -1,0 +1,25 @@
+"""What an eviction score may read besides the node: `ScoringContext`.
+
+Policy.score(ctx, node, unit, bit) sees this small frozen record and the node, never the cache, so
+every executor (the core's own tree, the SGLang plugin's view of SGLang's tree) scores with the same
+inputs and no policy can reach into an executor's state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringContext:
+    tau_s: float
+    """Eq. 7 time scale (seconds of recency per unit of recompute-per-byte)."""
+    page_num_tokens: int
+    """Tokens per unit of `node.keys` / `node.depth_pages` (1 when an executor's tree is token-granular)."""
+    checkpoint_token_equiv: float
+    """N_s: one checkpoint in tokens of KV (M of a checkpoint unit)."""
+    terminal_prob: float
+    """q: EMA of hits that land on a terminal checkpoint; interior positions share 1 - q."""
+
+    @classmethod
+    def of(cls, config, terminal_prob: float) -> "ScoringContext":
+        return cls(config.tau_s, config.page_num_tokens, config.checkpoint_token_equiv, terminal_prob)
