@@ -3,8 +3,19 @@
 Units (units.py) are ranked per pool in a lazy victim heap (victims.py) with the policy's score
 (eq. 7 for HiState). `make_room` evicts the lowest-ranked unpinned unit until the bytes fit (I1). An
 evicted unit moves down a tier when room can be made there (placement.TierPlan), and is dropped only
-from the last tier; interior KV is never dropped (I3). Every structural change re-offers the nodes
-whose units or costs may have dropped, so nothing escapes eviction (I7).
+from the last tier; interior KV is never dropped (I3).
+
+Re-ranking after an eviction (paper §3.3: "affected costs are updated after eviction without
+changing last-access timestamps"). A heap entry only has to stay a lower bound of its unit's score,
+so only changes that can *lower* a score need a re-offer:
+  * a node whose units changed (a copy left a tier; a parent became a tier leaf; a merge): at once,
+    so nothing escapes eviction (I7) and no stale unit is ever evicted;
+  * the nearest checkpoint above a removed leaf: its span, and with it C, shrinks. This is the only
+    neighbour re-rank eviction needs, and it is deferred to the end of the `make_room` pass (batch
+    eviction: one request's evictions re-rank each affected checkpoint once, not once per unit);
+  * a checkpoint that vanishes only *raises* its neighbours' C (longer gap below, longer span above),
+    so their entries stay valid lower bounds and are re-scored when they reach the top.
+New checkpoints lower their neighbours' costs; `touch_checkpoint_neighbourhood` re-offers them.
 """
 from __future__ import annotations
 
@@ -28,6 +39,8 @@ class Evictor:
         self.partitioned = state.policy.partitioned
         ledger = book.ledger
         self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
+        self._deferred: dict = {}  # id -> node whose re-rank waits for the end of the pass
+        self._pass_depth = 0  # make_room nests (demotion makes room below): flush at the outermost
         self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
             (unit, int(t)): self.heaps[ledger.pool_of(t, ItemKind.KV if unit is UnitKind.BUNDLE else ItemKind.CHECKPOINT)]
             for unit in UnitKind for t in ALL_TIERS if ledger.has_tier(t)}
@@ -43,36 +56,59 @@ class Evictor:
     def _heap_for(self, unit: UnitKind, tier_index: int) -> VictimHeap:
         return self._heap_of[unit, tier_index]
 
-    def touch_upward(self, node: Node) -> None:
-        """`node` changed shape: re-rank it and its ancestors up to the nearest checkpoint, whose
-        span (eq. 7's C of an intermediate checkpoint) runs through it."""
-        while node is not None and node.parent is not None:
-            self.touch(node)
-            if node.ckpt_mask:
-                break
+    def _rerank_checkpoint_above(self, node: Node) -> None:
+        """`node`'s subtree shrank: the nearest checkpoint at or above it spans fewer pages, so its C
+        dropped. Deferred while a `make_room` pass runs."""
+        while node.parent is not None and not node.ckpt_mask:
             node = node.parent
-        if node is not None and node.parent is not None:
+        if node.parent is None:
+            return
+        if self._pass_depth:
+            self._deferred[id(node)] = node
+        else:
             self.touch(node)
+
+    def _flush_deferred(self) -> bool:
+        """Re-offer the nodes deferred during the pass; True if there were any."""
+        if not self._deferred:
+            return False
+        deferred, self._deferred = self._deferred, {}
+        for node in deferred.values():
+            if node.is_alive:
+                self.touch(node)
+        return True
 
     def touch_checkpoint_neighbourhood(self, node: Node) -> None:
         """A checkpoint appeared or vanished at `node`: the gap of the checkpoints below changed too
         (affected costs are updated without touching timestamps, paper §3.3)."""
         self.touch(node)
-        self.touch_upward(node.parent)
+        parent = node.parent
+        while parent.parent is not None:  # ancestors up to and including the previous checkpoint
+            self.touch(parent)
+            if parent.ckpt_mask:
+                break
+            parent = parent.parent
         for child in node.children.values():
             self.touch(child)
 
     # --- making room -------------------------------------------------------------------------------
 
     def make_room(self, pool, size_bytes: int, now_s: float) -> bool:
-        """Evict from `pool` until `size_bytes` fit (I1). False if it cannot be done."""
+        """Evict from `pool` until `size_bytes` fit (I1). False if it cannot be done. One pass: the
+        re-ranks that evictions cause are applied once, at the end (or when the pool runs dry)."""
         ledger = self.book.ledger
         if not ledger.fits_ever(pool, size_bytes):
             return False
-        while ledger.free_bytes(pool) < size_bytes:
-            if not self._evict_one(pool, now_s):
-                return False
-        return True
+        self._pass_depth += 1
+        try:
+            while ledger.free_bytes(pool) < size_bytes:
+                if not self._evict_one(pool, now_s) and not (self._flush_deferred() and self._evict_one(pool, now_s)):
+                    return False
+            return True
+        finally:
+            self._pass_depth -= 1
+            if not self._pass_depth:
+                self._flush_deferred()
 
     def _rank(self, node: Node, unit: UnitKind, tier_index: int):
         if node.lock_count:
@@ -115,12 +151,14 @@ class Evictor:
         self.settle(node, checkpoint_gone=outcome == "drop")
 
     def settle(self, node: Node, checkpoint_gone: bool) -> None:
-        """Re-rank after a copy of `node` left a tier (eviction or a reported loss)."""
-        if checkpoint_gone:  # neighbours' costs change; the node may fold into its child
-            self.touch_checkpoint_neighbourhood(node)
+        """Re-rank after a copy of `node` left a tier (eviction or a reported loss).
+
+        The node's units changed; its parent may have become a tier leaf. A vanished checkpoint only
+        raises its neighbours' costs (module docstring), and the node may fold into its child."""
+        self.touch(node)
+        if checkpoint_gone:
             self.maybe_merge(node)
-        else:  # a copy moved or was shed: the node's units changed, its parent may be a tier leaf now
-            self.touch(node)
+        else:
             self.touch(node.parent)
 
     def _evict_copy(self, node: Node, kind: ItemKind, tier: Tier, now_s: float) -> str:
@@ -152,7 +190,9 @@ class Evictor:
         parent = node.parent
         self.tree.remove_leaf(node)
         if parent.parent is not None:
-            self.touch_upward(parent)
+            self.touch(parent)  # may be a tier leaf now: a new unit
+            if not parent.ckpt_mask:
+                self._rerank_checkpoint_above(parent)
             if merge:
                 self.maybe_merge(parent)
 

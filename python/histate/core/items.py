@@ -24,6 +24,11 @@ class ItemBook:
         self.stats = stats
         self.ops: list = []
         self._on_checkpoint_put = on_checkpoint_put
+        # pools holding a node's copies, per tier mask (pins walk every node of a path: keep it cheap)
+        self._kv_pools = tuple(tuple(ledger.pool_of(t, ItemKind.KV) for t in tiers_in(m)) for m in range(8))
+        self._ckpt_pools = tuple(tuple(ledger.pool_of(t, ItemKind.CHECKPOINT) for t in tiers_in(m)) for m in range(8))
+        self._kv_bytes_per_page = config.kv_bytes_per_page
+        self._checkpoint_bytes = config.checkpoint_size_bytes
 
     # --- sizes and masks ---------------------------------------------------------------------------
 
@@ -94,22 +99,22 @@ class ItemBook:
 
     def pin(self, node: Node) -> None:
         """One more pin on `node` alone (path locks pin every node of a path, cache._lock)."""
-        if node.lock_count == 0:
+        if node.lock_count == 0 and (node.kv_mask or node.ckpt_mask):
             self._protect_all(node, +1)
         node.lock_count += 1
 
     def unpin(self, node: Node) -> None:
         node.lock_count -= 1
-        if node.lock_count == 0:
+        if node.lock_count == 0 and (node.kv_mask or node.ckpt_mask):
             self._protect_all(node, -1)
 
     def _protect_all(self, node: Node, sign: int) -> None:
-        ledger = self.ledger
+        protected = self.ledger.protected_bytes
         if node.kv_mask:
-            kv = sign * node.num_pages * self.config.kv_bytes_per_page
-            for tier in tiers_in(node.kv_mask):
-                ledger.protect(ledger.pool_of(tier, ItemKind.KV), kv)
+            kv = sign * len(node.keys) * self._kv_bytes_per_page
+            for pool in self._kv_pools[node.kv_mask]:
+                protected[pool] += kv
         if node.ckpt_mask:
-            ckpt = sign * self.config.checkpoint_size_bytes
-            for tier in tiers_in(node.ckpt_mask):
-                ledger.protect(ledger.pool_of(tier, ItemKind.CHECKPOINT), ckpt)
+            ckpt = sign * self._checkpoint_bytes
+            for pool in self._ckpt_pools[node.ckpt_mask]:
+                protected[pool] += ckpt

@@ -16,6 +16,10 @@ class Tier(enum.IntEnum):
     CPU = 1
     SSD = 2
 
+    # Tiers key every ledger and heap dict on the hot path; Enum.__hash__ is a Python-level call,
+    # int's is not, and it agrees with int equality (Tier.GPU == 0).
+    __hash__ = int.__hash__
+
 
 ALL_TIERS = (Tier.GPU, Tier.CPU, Tier.SSD)
 
@@ -30,9 +34,12 @@ def tier_bit(tier: Tier) -> int:
     return 1 << int(tier)
 
 
-def tiers_in(mask: int) -> list[Tier]:
-    """Tiers whose bit is set in `mask`, fastest first."""
-    return [t for t in ALL_TIERS if mask & (1 << int(t))]
+_TIERS_OF_MASK = tuple(tuple(t for t in ALL_TIERS if mask & (1 << int(t))) for mask in range(1 << len(ALL_TIERS)))
+
+
+def tiers_in(mask: int) -> tuple:
+    """Tiers whose bit is set in `mask`, fastest first (a table lookup: this is on every hot path)."""
+    return _TIERS_OF_MASK[mask]
 
 
 def fastest_tier(mask: int) -> Optional[Tier]:
@@ -48,6 +55,8 @@ class ItemKind(enum.Enum):
     KV = "kv"
     CHECKPOINT = "checkpoint"
 
+    __hash__ = object.__hash__  # members are singletons and compare by identity: a C-level hash
+
 
 class UnitKind(enum.Enum):
     """Eviction units (paper §3.3): an intermediate checkpoint alone, or a terminal bundle
@@ -55,6 +64,8 @@ class UnitKind(enum.Enum):
 
     CHECKPOINT = "checkpoint"
     BUNDLE = "bundle"
+
+    __hash__ = object.__hash__  # as ItemKind
 
 
 class HiStateError(Exception):

@@ -55,11 +55,16 @@ class VictimHeap:
         entries = self.entries
         skipped = []
         chosen = None
+        rescored_seq = -1  # the entry just put back at its true score: still on top means it is the minimum
         while entries:
-            bound, _, node, unit, t, version = entries[0]
+            bound, seq, node, unit, t, version = entries[0]
             if not node.is_alive or node.version != version:
                 heapq.heappop(entries)
                 continue
+            if seq == rescored_seq:
+                heapq.heappop(entries)
+                chosen = (node, unit, t, bound)
+                break
             if accept is not None and not accept(node, unit, t):
                 skipped.append(heapq.heappop(entries))
                 continue
@@ -69,7 +74,8 @@ class VictimHeap:
                 node.is_parked = True
                 continue
             if score > bound + _EPS:  # refreshed since pushed: back at its true rank
-                heapq.heapreplace(entries, (score, next(_SEQ), node, unit, t, version))
+                rescored_seq = next(_SEQ)
+                heapq.heapreplace(entries, (score, rescored_seq, node, unit, t, version))
                 continue
             heapq.heappop(entries)
             chosen = (node, unit, t, score)
