@@ -3,11 +3,11 @@ give on my trace, with my GPU/CPU/SSD budgets?" (docs/results.md shows the paper
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from .core import available_policies
-from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S
+from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, available_policies
 
 GiB = 2**30
 
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", type=Path, default=Path("out/replay"), help="directory for summary.json, requests.csv and plots (out/replay)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bars")
+    out.add_argument("--explain", type=_policies, metavar="POLICY[,POLICY]",
+                     help="attribute every token each named policy lost against `unlimited` and against the "
+                          "other named policies to its cause (KV evicted, state evicted, no checkpoint near the hit, ...); "
+                          "prints a table and writes explain.json (adds `unlimited` to --policies)")
     return ap
 
 
@@ -131,13 +135,27 @@ def replay_command(args) -> int:
     print(f"workload {workload.name}: {stats.sessions} sessions (+{stats.subagent_sessions} subagents), "
           f"{stats.requests} requests, {stats.input_tokens / 1e6:.1f}M input tokens; dropped by max-context "
           f"{stats.requests_over_context} requests; malformed skipped {stats.malformed_skipped}")
-    runs = replay_policies(workload, args.policies, config, progress=not args.no_progress)
+    logs, policies = {}, list(args.policies)
+    if args.explain:
+        from .sim.explain import EvictionLog
+
+        logs = {name: EvictionLog() for name in args.explain}
+        policies += [p for p in (*args.explain, "unlimited") if p not in policies]
+    runs = replay_policies(workload, policies, config, progress=not args.no_progress, observers=logs)
     summary = build_summary(runs)
     print(format_table(summary))
     for name, run in runs.items():
         n = len(run.records)
         print(f"  {name}: replayed {n} requests in {run.wall_s:.1f} s ({n / max(run.wall_s, 1e-9):,.0f} req/s)")
     written = write_outputs(runs, summary, args.out, plots=not args.no_plots)
+    if logs:
+        from .sim.explain import explain, format_explain
+
+        report = explain(workload, runs, logs, references=("unlimited", *args.explain))
+        print(format_explain(report))
+        path = args.out / "explain.json"
+        path.write_text(json.dumps(report, indent=1))
+        written.append(path)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

@@ -19,6 +19,7 @@ from .config import CacheConfig
 from .eviction import Evictor
 from .items import ItemBook
 from .ledger import Ledger, PartitionedLedger
+from .observer import CacheObserver
 from .placement import Placement, TierPlan
 from .policies import Policy, make_policy
 from .policy_state import PolicyState
@@ -51,15 +52,32 @@ class HybridPrefixCache:
         self.stats = CacheStats()
         self.state = PolicyState(policy, config)
         plan = TierPlan(policy, self.ledger)
-        self.book = ItemBook(config, self.ledger, self.stats, self._on_checkpoint_put)
+        self.book = ItemBook(config, self.ledger, self.stats, self._on_checkpoint_put, self._on_item_gone)
         self.evictor = Evictor(self.tree, self.book, self.state, plan)
         self.placement = Placement(self.book, self.evictor, plan)
         self.num_open_leases = 0
         self.last_now_s = 0.0  # the latest time a caller passed in (injected clock, never wall time)
+        self._observer: Optional[CacheObserver] = None
 
-    def _on_checkpoint_put(self, node: Node, tier: Tier) -> None:
+    @property
+    def observer(self) -> Optional[CacheObserver]:
+        """A `CacheObserver` told of evictions, vanished items and new checkpoints (diagnosis)."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Optional[CacheObserver]) -> None:
+        self._observer = observer
+        self.evictor.observer = observer
+
+    def _on_checkpoint_put(self, node: Node, tier: Tier, action: str) -> None:
         if tier == self.policy.historical_tier:
             self.state.on_state_written(self.last_now_s)
+        if self._observer is not None and action == "put":
+            self._observer.on_checkpoint_put(node, tier, self.last_now_s)
+
+    def _on_item_gone(self, node: Node, kind: ItemKind) -> None:
+        if self._observer is not None:
+            self._observer.on_item_gone(node, kind, self.last_now_s)
 
     # --- queries -----------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class Evictor:
         self.partitioned = state.policy.partitioned
         ledger = book.ledger
         self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
+        self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
         self._deferred: dict = {}  # id -> node whose re-rank waits for the end of the pass
         self._pass_depth = 0  # make_room nests (demotion makes room below): flush at the outermost
         self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
@@ -130,6 +131,8 @@ class Evictor:
     # --- evicting one unit -------------------------------------------------------------------------
 
     def evict_unit(self, node: Node, unit: UnitKind, tier: Tier, now_s: float) -> None:
+        if self.observer is not None:
+            self.observer.on_unit_evicted(node, unit, tier, now_s, self.state.score_terms(node, unit, 1 << tier))
         book = self.book
         book.pin(node)  # cascades below must neither evict nor merge this node
         if unit is UnitKind.CHECKPOINT:

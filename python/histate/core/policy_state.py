@@ -16,7 +16,7 @@ from .interval import Ema, IntervalController
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
 from .types import UnitKind
-from .units import last_access_s
+from .units import expected_recompute_tokens, last_access_s, reclaim_tokens
 
 
 class PolicyState:
@@ -42,6 +42,14 @@ class PolicyState:
 
     def score(self, node, unit: UnitKind, bit: int) -> float:
         return self.policy.score(self._ctx, node, unit, bit)
+
+    def score_terms(self, node, unit: UnitKind, bit: int) -> tuple:
+        """(t_last_s, C_tokens, M_tokens, score) of eq. 7 for a unit, C and M as HiState defines them
+        whatever the policy (diagnosis: what the unit was worth when it was chosen)."""
+        ctx = self._ctx
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens)
+        reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit), cost, reclaim, self.score(node, unit, bit)
 
     @staticmethod
     def bound(node, unit: UnitKind, bit: int) -> float:
