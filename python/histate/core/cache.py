@@ -15,7 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .config import CacheConfig
+from .config import NEAR_END_WINDOW_PAGES, CacheConfig
 from .eviction import Evictor
 from .items import ItemBook
 from .ledger import Ledger, PartitionedLedger
@@ -26,6 +26,7 @@ from .policy_state import PolicyState
 from .stats import CacheStats
 from .tree import Node, RadixTree
 from .types import GPU_BIT, HiStateError, ItemKind, MatchResult, Tier, TierOp, fastest_tier
+from .units import end_offset_pages
 
 
 @dataclass
@@ -132,10 +133,11 @@ class HybridPrefixCache:
         else:
             ckpt_tier = fastest_tier(ckpt_node.ckpt_mask) if ckpt_node is not None else None
             terminal = ckpt_node is not None and not ckpt_node.children
+        diverged_in = partial if partial is not None else (path[-1] if path else None)
         result = MatchResult(
             num_kv_pages=m, num_reused_pages=c, kv_bytes_by_tier=kv_bytes, checkpoint_tier=ckpt_tier,
             checkpoint_size_bytes=self.config.checkpoint_size_bytes if ckpt_tier is not None else 0,
-            is_terminal_hit=terminal)
+            is_terminal_hit=terminal, end_offset_pages=end_offset_pages(diverged_in, m, NEAR_END_WINDOW_PAGES))
         return result, path, partial, ckpt_node
 
     # --- request life cycle ------------------------------------------------------------------
@@ -152,7 +154,7 @@ class HybridPrefixCache:
         self._lock(lock_node, +1)
         self.num_open_leases += 1
         self.state.refresh(path if partial is None else path + [partial], path, ckpt_node, now_s)
-        self.state.observe_match(result.num_kv_pages, result.is_terminal_hit)
+        self.state.observe_match(result.num_kv_pages, result.end_offset_pages)
         self.stats.on_match(result, len(keys))
         for node in path:
             if node.depth_pages > result.num_reused_pages:

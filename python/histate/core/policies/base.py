@@ -30,6 +30,7 @@ class AdmissionContext:
     controller: object  # IntervalController
     config: object  # CacheConfig
     now_s: float = 0.0
+    near_end_probs: tuple = ()  # learned reuse-position prior near the segment's end (PolicyState)
 
 
 class Policy:
@@ -41,6 +42,7 @@ class Policy:
     partitioned = False  # static KV/state split per tier (SGLang); else one shared pool per tier
     dense_checkpoints = False  # `unlimited`: a state at every page boundary
     unbounded = False  # ignore configured capacities
+    learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)
