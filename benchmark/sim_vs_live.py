@@ -127,7 +127,9 @@ def run_live(workload, args, out: Path) -> dict:
 
 def run_sim(workload, args, calibration: Path) -> dict:
     profile = PrefillProfile.from_csv(calibration)
-    step_s = decode_step_s(calibration)
+    step_s = decode_step_s(calibration) * args.slowdown
+    if args.slowdown != 1:  # a uniformly slower server (e.g. a loaded machine): every latency x slowdown
+        profile = PrefillProfile.fit([(n, ctx, s * args.slowdown) for n, ctx, s in profile.points], str(calibration))
     config = replace(admission(args), engine=EngineConfig(token_budget_per_step=1 << 30, max_running_requests=1),
                      step_cost=CalibratedStepCost(get_model(MODEL), get_hardware("h100"), profile, step_overhead_s=step_s))
     print(f"calibration: {profile.num_points} points, fit max relative error {profile.max_relative_error:.1%}, "
@@ -160,7 +162,7 @@ def markdown(table: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", help="Weka trace (default ../shared/traces/cc-traces-weka-042026/traces.jsonl.gz)")
-    ap.add_argument("--sessions", type=int, default=4, help="root sessions admitted (4)")
+    ap.add_argument("--sessions", type=int, default=3, help="root sessions admitted (3)")
     ap.add_argument("--live-sessions", type=int, default=2, help="live sessions at once (2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--token-scale", type=float, default=1 / 16, help="16 trace pages -> 1 page (0.0625)")
@@ -175,6 +177,8 @@ def main() -> int:
     ap.add_argument("--calibration", type=Path, help="reuse this profile instead of measuring one")
     ap.add_argument("--calibrate-reps", type=int, default=2)
     ap.add_argument("--skip-live", action="store_true", help="reuse OUT/live (rerun only the simulator)")
+    ap.add_argument("--slowdown", type=float, default=1.0,
+                    help="simulate a server this many times slower than calibrated (sensitivity; sim side only)")
     ap.add_argument("--out", type=Path, default=Path("out/sim_vs_live"))
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
@@ -182,7 +186,8 @@ def main() -> int:
     workload = load_workload(args)
     print(f"workload {workload.name}: admitting {args.sessions} sessions, {args.live_sessions} live")
     calibration = args.calibration or measure_calibration(args, args.out)
-    live_dir, sim_dir = args.out / "live", args.out / "sim"
+    live_dir = args.out / "live"
+    sim_dir = args.out / ("sim" if args.slowdown == 1 else f"sim-x{args.slowdown:g}")
     if not args.skip_live:
         live = run_live(workload, args, args.out)
         write_outputs(live, build_summary(live), live_dir)
@@ -190,7 +195,7 @@ def main() -> int:
     write_outputs(sim, build_summary(sim), sim_dir)
     table = compare([live_dir, sim_dir], ["live", "sim"])
     print(format_comparison(table))
-    write_comparison(table, [live_dir, sim_dir], ["live", "sim"], args.out / "compare")
+    write_comparison(table, [live_dir, sim_dir], ["live", "sim"], args.out / f"compare{sim_dir.name[3:]}")
     print()
     print(markdown(table))
     return 0

@@ -27,8 +27,8 @@ from .backends import BenchError
 from .sessions import RetryPolicy
 
 COLUMNS = ("num_tokens", "context_num_tokens", "latency_s", "decode_step_s", "cached_tokens", "prompt_tokens")
-DEFAULT_CONTEXTS = (0, 1024, 2048, 4096)      # sized for histate serve on CPU (tens to hundreds of ms)
-DEFAULT_LENGTHS = (64, 256, 1024, 2048)
+DEFAULT_CONTEXTS = (0, 2048, 4096, 8192)      # sized for histate serve on CPU and 1/16-scaled Weka
+DEFAULT_LENGTHS = (64, 512, 2048, 8192)        # (contexts up to 8K tokens): cover what is replayed
 
 
 async def measure(backend, http: aiohttp.ClientSession, vocab_size: int, contexts: Sequence[int],
