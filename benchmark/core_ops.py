@@ -27,7 +27,7 @@ CLOCK = time.thread_time_ns
 def timed_evictions(cache) -> list:
     """Wrap the cache's single-eviction step to time each evicted unit (benchmark-only patch)."""
     samples_ns = []
-    inner = cache._evict_one
+    inner = cache.evictor._evict_one
 
     def evict_one(pool, now_s):
         t0 = CLOCK()
@@ -35,7 +35,7 @@ def timed_evictions(cache) -> list:
         samples_ns.append(CLOCK() - t0)
         return done
 
-    cache._evict_one = evict_one
+    cache.evictor._evict_one = evict_one
     return samples_ns
 
 

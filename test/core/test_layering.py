@@ -28,7 +28,7 @@ def test_core_imports_with_torch_and_sglang_blocked():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['sglang'] = None; sys.modules['numpy'] = None\n"
             "import histate.core as c; print(len(c.available_policies()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert int(out.stdout) == 10
+    assert int(out.stdout) == len(histate.core.available_policies())
 
 
 def _top_level_imports(path: Path) -> set:
@@ -51,3 +51,39 @@ def test_only_the_plugin_imports_sglang_and_the_simulator_needs_no_torch():
             assert "sglang" not in imports, f"histate/{rel} imports sglang (only sglang_plugin may)"
         if rel.parts[0] in ("sim", "core", "storage") or rel.name == "cli.py":
             assert "torch" not in imports, f"histate/{rel} imports torch"
+
+
+def _core_imports(path: Path, package: Path):
+    """(line, module, names) of every import of histate.core made by `path` (absolute or relative)."""
+    rel_parts = path.relative_to(package).parts if path.is_relative_to(package) else ()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # resolve `from ..core.x import y` against the file's package
+                base = ("histate",) + rel_parts[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ((node.module,) if node.module else ()))
+            else:
+                module = node.module or ""
+            if module == "histate.core" or module.startswith("histate.core."):
+                yield node.lineno, module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("histate.core."):
+                    yield node.lineno, alias.name, []
+
+
+def test_executors_import_only_the_cores_public_names():
+    """One policy engine: the simulator, the reference executor, the SGLang plugin, the CLI and the
+    benchmarks reach the core only through `histate.core.__all__`, never through its submodules, so
+    every shared piece of policy machinery is visible in one place (issue 9)."""
+    package = CORE.parent
+    public = set(histate.core.__all__)
+    files = [p for p in package.rglob("*.py") if p.relative_to(package).parts[0] != "core"]
+    files += list((package.parents[1] / "benchmark").glob("*.py"))
+    offenders = []
+    for path in files:
+        for lineno, module, names in _core_imports(path, package):
+            if module != "histate.core" or not set(names) <= public:
+                offenders.append(f"{path.name}:{lineno} imports {module} {names}")
+    assert not offenders, "imports of histate.core outside its __all__:\n" + "\n".join(offenders)
+

@@ -120,3 +120,25 @@ def test_lost_kv_can_be_named_by_any_page_of_its_segment():
     assert cache.report_lost(A, 3, ItemKind.KV, Tier.GPU, 2.0)  # page 2 of the 10-page segment
     assert cache.tree.num_nodes == 0
     cache.check_invariants()
+
+
+def test_reservation_is_refused_without_side_effects_when_pins_hold_the_pool():
+    """SGLang's PrefillAdder admits a prefill only if it fits in free + evictable KV
+    (sglang/srt/managers/schedule_policy.py, budget check against `rem_total_tokens`): a reservation
+    that pinned data makes impossible must evict nothing and be refused."""
+    cache = make_cache("histate", tiny_config(gpu_pages=20))
+    keys = [("a", i) for i in range(12)]
+    lease = cache.begin_request(keys, 1.0)
+    cache.finish_request(lease, None, 1.0, [12])
+    held = cache.begin_request(keys, 2.0)  # pins the 12 pages and the checkpoint
+    assert cache.evictable_bytes(Tier.GPU) == 0
+    used = dict(cache.ledger.used_bytes)
+    assert not cache.reserve(10 * KV_PAGE_BYTES, 3.0)
+    assert cache.ledger.used_bytes == used and cache.stats.evictions == {}
+    cache.abort_request(held)
+    assert cache.evictable_bytes(Tier.GPU) == cache.ledger.used_bytes[Tier.GPU]
+    assert cache.reserve(10 * KV_PAGE_BYTES, 4.0)  # now eviction makes room
+    assert cache.free_bytes(Tier.GPU) >= 0 and sum(cache.stats.evictions.values()) > 0
+    cache.check_invariants()
+    cache.release(10 * KV_PAGE_BYTES)
+    cache.check_invariants()

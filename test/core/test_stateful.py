@@ -24,6 +24,7 @@ def machine_for(policy_name: str):
             self.cache = make_cache(policy_name, tiny_config(gpu, cpu, ssd, tau_s=5.0))
             self.now = 0.0
             self.leases = []
+            self.reservations = []  # (bytes, tier) held by simulated running requests
             self.inserted = set()  # brute-force model for `unlimited`: every inserted prefix
 
         def tick(self):
@@ -71,6 +72,28 @@ def machine_for(policy_name: str):
                 cut = tuple(keys[: start + 1])
                 self.inserted = {p for p in self.inserted if p[: start + 1] != cut}
 
+        @rule(tier=st.sampled_from(list(Tier)), num_pages=st.integers(1, 30))
+        def reserve(self, tier, num_pages):
+            """A running request claims memory outside the cache: granted exactly when free +
+            evictable bytes cover it, and then it fits (I1 with reservations)."""
+            cache = self.cache
+            if not cache.ledger.has_tier(tier):
+                return
+            size = num_pages * KV_PAGE_BYTES
+            coverable = cache.free_bytes(tier) + cache.evictable_bytes(tier)
+            granted = cache.reserve(size, self.tick(), tier)
+            if size > coverable:
+                assert not granted
+            if granted:
+                self.reservations.append((size, tier))
+                assert cache.free_bytes(tier) >= 0
+
+        @precondition(lambda self: self.reservations)
+        @rule(index=st.integers(0, 7))
+        def release(self, index):
+            size, tier = self.reservations.pop(index % len(self.reservations))
+            self.cache.release(size, tier)
+
         @rule(keys=KEYS)
         def match_is_pure_and_restorable(self, keys):
             before = (self.cache.ledger.used_bytes.copy(), self.cache.tree.num_nodes)
@@ -92,6 +115,10 @@ def machine_for(policy_name: str):
         def teardown(self):
             for lease in self.leases:
                 self.cache.abort_request(lease)
+            for size, tier in self.reservations:
+                self.cache.release(size, tier)
+            assert all(v == 0 for v in self.cache.ledger.reserved_bytes.values())
+            assert all(v == 0 for v in self.cache.ledger.protected_bytes.values())  # I10 with no pins
             self.cache.check_invariants()  # I5: all reference counts back to zero
             assert all(node.lock_count == 0 for node in self.cache.tree.iter_nodes())
 

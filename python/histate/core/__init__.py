@@ -1,15 +1,27 @@
-"""histate.core: the pure policy engine (no torch, sglang, I/O or wall clock). API: docs/core-api.md."""
+"""histate.core: the pure policy engine (no torch, sglang, I/O or wall clock). API: docs/core-api.md.
+
+Executors (histate.sim, histate.reference, histate.sglang_plugin, the CLI) import only the names in
+`__all__` (test/core/test_layering.py checks it), so everything they share is visible here.
+"""
 from .cache import HybridPrefixCache, InsertResult, RequestLease, make_cache
-from .config import CacheConfig
-from .interval import IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
-from .policies import Policy, available_policies, make_policy, register_policy
+from .config import (DEFAULT_CHUNK_PAGES, DEFAULT_EMA_ALPHA, DEFAULT_FIXED_INTERVAL_PAGES, DEFAULT_INTERVALS_PAGES,
+                     DEFAULT_INTERVALS_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR, STATE_GRID_TOKENS, CacheConfig)
+from .interval import Ema, IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
+from .observer import CacheObserver
+from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
+from .policy_state import PolicyState
+from .scoring import ScoringContext
 from .stats import CacheStats
-from .types import (ConfigError, HiStateError, InvariantViolation, ItemKind, MatchResult, Tier, TierOp,
-                    UnitKind)
+from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, ConfigError, HiStateError,
+                    InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind)
+from .victims import VictimHeap, reoffer
 
 __all__ = [
-    "CacheConfig", "CacheStats", "ConfigError", "HiStateError", "HybridPrefixCache", "InsertResult",
-    "IntervalController", "InvariantViolation", "ItemKind", "MatchResult", "Policy", "RequestLease", "Tier",
-    "TierOp", "UnitKind", "available_policies", "choose_interval_pages", "continuous_optimum_pages",
-    "make_cache", "make_policy", "recompute_cost_pages", "register_policy",
+    "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheObserver", "CacheStats", "ConfigError", "DEFAULT_CHUNK_PAGES",
+    "DEFAULT_EMA_ALPHA", "DEFAULT_FIXED_INTERVAL_PAGES", "DEFAULT_INTERVALS_PAGES", "DEFAULT_INTERVALS_TOKENS",
+    "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
+    "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MatchResult", "Policy", "PolicyState",
+    "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS", "ScoringContext", "Tier", "TierOp",
+    "UnitKind", "VictimHeap", "available_policies", "choose_interval_pages", "continuous_optimum_pages",
+    "make_cache", "make_policy", "recompute_cost_pages", "register_policy", "reoffer",
 ]

@@ -1,33 +1,32 @@
-"""HybridPrefixCache: the radix tree + ledger + interval controller + a policy, as one pure engine.
+"""HybridPrefixCache: the radix tree + ledger + policy state + a policy, as one pure engine.
 
-Owns every mutation of the tree's data (tier masks, checkpoints, locks, access times) and keeps
-invariants I1-I9 (docs/invariants.md; `check_invariants` in invariants.py). The life cycle of a
-request is begin_request -> plan_checkpoints -> finish_request (docs/core-api.md).
-
-Victim selection is a heap per pool with lazy invalidation: every structural change to a node bumps
-its version and re-pushes its units; refreshes only raise scores, so a popped entry whose recomputed
-score is higher is pushed back instead of evicted. No eviction scans the tree.
+Owns the request life cycle (begin_request -> plan_checkpoints -> finish_request, docs/core-api.md),
+path locks and insertion, and composes the parts that do the rest, each with one job:
+  ItemBook     (items.py)        the only writer of tier masks, the ledger, pins and the TierOp log
+  PolicyState  (policy_state.py) refresh, terminal-hit EMA, residence samples, admission, scoring
+  Evictor      (eviction.py)     victim heaps and what evicting a unit does to the tree
+  Placement    (placement.py)    which tier each copy goes to (asymmetric tiering)
+Keeps invariants I1-I10 (docs/invariants.md; `check_invariants` in invariants.py).
 """
 from __future__ import annotations
 
-import heapq
 import sys
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Optional, Sequence
 
-from .config import CacheConfig
-from .interval import Ema, IntervalController
+from .config import NEAR_END_WINDOW_PAGES, CacheConfig
+from .eviction import Evictor
+from .items import ItemBook
 from .ledger import Ledger, PartitionedLedger
-from .placement import Placement
-from .policies import AdmissionContext, Policy, make_policy
+from .observer import CacheObserver
+from .placement import Placement, TierPlan
+from .policies import Policy, make_policy
+from .policy_state import PolicyState
 from .stats import CacheStats
 from .tree import Node, RadixTree
-from .types import ALL_TIERS, HiStateError, ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier
-from .units import last_access_s, units_of
-
-_COMPACT_FACTOR = 4  # rebuild a heap once stale entries outnumber live ones this many times
+from .types import GPU_BIT, HiStateError, ItemKind, MatchResult, Tier, TierOp, fastest_tier
+from .units import end_offset_pages
 
 
 @dataclass
@@ -42,7 +41,7 @@ class RequestLease:
     pinned: list = field(default_factory=list)
 
 
-class HybridPrefixCache(Placement):
+class HybridPrefixCache:
     def __init__(self, config: CacheConfig, policy: Policy):
         self.config = config
         self.policy = policy
@@ -51,24 +50,55 @@ class HybridPrefixCache(Placement):
         self.ledger = (PartitionedLedger(capacity, config.state_fraction or _default_split(capacity))
                        if policy.partitioned else Ledger(capacity))
         self.tree = RadixTree()
-        self.controller = IntervalController(
-            config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages, config.ema_alpha)
-        self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
         self.stats = CacheStats()
-        self.heaps: dict = {pool: [] for pool in self.ledger.capacity_bytes}
-        self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
-            (unit, int(t)): self.heaps[self.ledger.pool_of(t, ItemKind.KV if unit is UnitKind.BUNDLE else ItemKind.CHECKPOINT)]
-            for unit in UnitKind for t in ALL_TIERS if self.ledger.has_tier(t)}
-        self._seq = count()
-        self._ops: list = []
+        self.state = PolicyState(policy, config)
+        plan = TierPlan(policy, self.ledger)
+        self.book = ItemBook(config, self.ledger, self.stats, self._on_checkpoint_put, self._on_item_gone)
+        self.evictor = Evictor(self.tree, self.book, self.state, plan)
+        self.placement = Placement(self.book, self.evictor, plan)
         self.num_open_leases = 0
         self.last_now_s = 0.0  # the latest time a caller passed in (injected clock, never wall time)
+        self._observer: Optional[CacheObserver] = None
+
+    @property
+    def observer(self) -> Optional[CacheObserver]:
+        """A `CacheObserver` told of evictions, vanished items and new checkpoints (diagnosis)."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Optional[CacheObserver]) -> None:
+        self._observer = observer
+        self.evictor.observer = observer
+
+    def _on_checkpoint_put(self, node: Node, tier: Tier, action: str) -> None:
+        if tier == self.policy.historical_tier:
+            self.state.on_state_written(self.last_now_s)
+        if self._observer is not None and action == "put":
+            self._observer.on_checkpoint_put(node, tier, self.last_now_s)
+
+    def _on_item_gone(self, node: Node, kind: ItemKind) -> None:
+        if self._observer is not None:
+            self._observer.on_item_gone(node, kind, self.last_now_s)
 
     # --- queries -----------------------------------------------------------------------------
 
     @property
     def terminal_prob(self) -> float:
-        return self.terminal_hits.value
+        return self.state.terminal_prob
+
+    @property
+    def controller(self):
+        """The interval controller (eq. 3-6) and its residence-time EMAs."""
+        return self.state.controller
+
+    def free_bytes(self, tier: Tier, kind: ItemKind = ItemKind.KV) -> int:
+        """Bytes of `tier` (its `kind` pool under a static split) neither cached nor reserved."""
+        return self.ledger.free_bytes(self.ledger.pool_of(tier, kind))
+
+    def evictable_bytes(self, tier: Tier, kind: ItemKind = ItemKind.KV) -> int:
+        """Cached bytes of that pool held by no pin: what eviction could free now (SGLang's
+        `evictable_size`)."""
+        return self.ledger.evictable_bytes(self.ledger.pool_of(tier, kind))
 
     def match(self, page_keys: Sequence) -> MatchResult:
         """Pure query: DESIGN.md hit accounting for `page_keys` (no locks, no refresh)."""
@@ -103,10 +133,11 @@ class HybridPrefixCache(Placement):
         else:
             ckpt_tier = fastest_tier(ckpt_node.ckpt_mask) if ckpt_node is not None else None
             terminal = ckpt_node is not None and not ckpt_node.children
+        diverged_in = partial if partial is not None else (path[-1] if path else None)
         result = MatchResult(
             num_kv_pages=m, num_reused_pages=c, kv_bytes_by_tier=kv_bytes, checkpoint_tier=ckpt_tier,
             checkpoint_size_bytes=self.config.checkpoint_size_bytes if ckpt_tier is not None else 0,
-            is_terminal_hit=terminal)
+            is_terminal_hit=terminal, end_offset_pages=end_offset_pages(diverged_in, m, NEAR_END_WINDOW_PAGES))
         return result, path, partial, ckpt_node
 
     # --- request life cycle ------------------------------------------------------------------
@@ -122,34 +153,21 @@ class HybridPrefixCache(Placement):
         lock_node = partial if partial is not None else (path[-1] if path else None)
         self._lock(lock_node, +1)
         self.num_open_leases += 1
-        for node in path:
-            node.kv_access_s = now_s
-        if partial is not None:
-            partial.kv_access_s = now_s
-        if ckpt_node is not None:
-            ckpt_node.ckpt_access_s = now_s
-            if self.policy.refresh_all:
-                for node in path:  # every checkpoint above the hit; eq. 7's cost still sparsifies them
-                    if node.ckpt_mask and node.depth_pages < ckpt_node.depth_pages:
-                        node.ckpt_access_s = now_s
-        if result.num_kv_pages > 0:
-            self.terminal_hits.observe(1.0 if result.is_terminal_hit else 0.0)
+        self.state.refresh(path if partial is None else path + [partial], path, ckpt_node, now_s)
+        self.state.observe_match(result.num_kv_pages, result.end_offset_pages)
         self.stats.on_match(result, len(keys))
         for node in path:
             if node.depth_pages > result.num_reused_pages:
                 break
-            if not node.kv_mask & (1 << Tier.GPU):
-                self._promote_kv(node, now_s)
+            if not node.kv_mask & GPU_BIT:
+                self.stats.bytes_promoted += self.placement.promote_kv(node, now_s)
         return RequestLease(keys, result, lock_node, now_s)
 
     def plan_checkpoints(self, lease: RequestLease, num_pages: Optional[int] = None) -> list[int]:
         """Checkpoint depths (pages) the forward pass over (c, num_pages] must produce."""
         end = len(lease.page_keys) if num_pages is None else num_pages
-        if self.policy.dense_checkpoints:
-            return []
-        ctx = AdmissionContext(lease.match.num_reused_pages, lease.match.num_kv_pages, end,
-                               self.controller, self.config, lease.now_s)
-        return self.policy.admit(ctx)
+        m = lease.match
+        return self.state.plan(m.num_reused_pages, m.num_kv_pages, end, lease.now_s)
 
     def finish_request(self, lease: RequestLease, page_keys: Optional[Sequence], now_s: float,
                        checkpoint_pages: Sequence[int] = ()) -> "InsertResult":
@@ -192,10 +210,35 @@ class HybridPrefixCache(Placement):
         """Free `size_bytes` in `tier` (for `kind` under a static split) by evicting the lowest-ranked
         units; the adapter's answer to SGLang's `evict(num_tokens)`. False if pins prevent it.
 
-        Mutates: what `_make_room` mutates.
+        Mutates: what `Evictor.make_room` mutates.
         """
         self.last_now_s = now_s
-        return self._make_room(self.ledger.pool_of(tier, kind), size_bytes, now_s)
+        return self.evictor.make_room(self.ledger.pool_of(tier, kind), size_bytes, now_s)
+
+    # --- reservations: memory running requests hold outside the cache --------------------------
+
+    def reserve(self, size_bytes: int, now_s: float, tier: Tier = Tier.GPU, kind: ItemKind = ItemKind.KV) -> bool:
+        """Promise `size_bytes` of a pool to a running request (its new KV or working state while it
+        computes), evicting cache to make room. Refused without side effects when free + evictable
+        bytes cannot cover it (the engines' admission rule: SGLang's PrefillAdder, vLLM's allocator).
+
+        Mutates: what `Evictor.make_room` mutates; the pool's reserved bytes.
+        """
+        self.last_now_s = now_s
+        pool = self.ledger.pool_of(tier, kind)
+        if size_bytes > self.ledger.free_bytes(pool) + self.ledger.evictable_bytes(pool):
+            return False
+        if not self.evictor.make_room(pool, size_bytes, now_s):
+            return False
+        self.ledger.reserve(pool, size_bytes)
+        return True
+
+    def release(self, size_bytes: int, tier: Tier = Tier.GPU, kind: ItemKind = ItemKind.KV) -> None:
+        """Give back a reservation (before `finish_request` inserts what the request computed)."""
+        pool = self.ledger.pool_of(tier, kind)
+        if size_bytes > self.ledger.reserved_bytes[pool]:
+            raise HiStateError(f"release of {size_bytes} B from {pool} exceeds its reservations")
+        self.ledger.reserve(pool, -size_bytes)
 
     def report_lost(self, page_keys: Sequence, depth_pages: int, kind: ItemKind, tier: Tier, now_s: float) -> bool:
         """An executor found a copy missing or corrupt (a torn file, a failed read): forget it, so that
@@ -218,32 +261,18 @@ class HybridPrefixCache(Placement):
         else:
             return False
         bit = 1 << tier
-        if not self._mask(node, kind) & bit:
+        if not self.book.mask(node, kind) & bit:
             return False
         self.stats.num_lost_reported += 1
         if kind is ItemKind.KV and not node.kv_mask & ~bit:
-            self._remove_subtree(node, now_s)
+            self.evictor.remove_subtree(node, now_s)
             return True
-        self._drop(node, kind, tier)
-        self._settle(node, checkpoint_gone=kind is ItemKind.CHECKPOINT and not node.ckpt_mask)
+        self.book.drop(node, kind, tier)
+        self.evictor.settle(node, checkpoint_gone=kind is ItemKind.CHECKPOINT and not node.ckpt_mask)
         return True
 
-    def _remove_subtree(self, node: Node, now_s: float) -> None:
-        stack, order = [node], []
-        while stack:
-            n = stack.pop()
-            if n.lock_count:
-                raise HiStateError(f"report_lost: {n} is pinned by an open request; abort it first")
-            order.append(n)
-            stack.extend(n.children.values())
-        parent = node.parent
-        for n in reversed(order):  # leaves first, so every removal is of a leaf; merge once at the end
-            self._remove_node(n, now_s, merge=False)
-        if parent.parent is not None:
-            self._maybe_merge(parent)
-
     def drain_ops(self) -> list[TierOp]:
-        ops, self._ops = self._ops, []
+        ops, self.book.ops = self.book.ops, []
         return ops
 
     def check_invariants(self) -> None:
@@ -254,10 +283,14 @@ class HybridPrefixCache(Placement):
 
     def _lock(self, node: Optional[Node], delta: int) -> None:
         """Path lock: a request pins its node and every ancestor (I5)."""
+        book = self.book
         while node is not None and node.parent is not None:
-            node.lock_count += delta
-            if node.lock_count == 0 and node.is_parked:
-                self._touch(node)
+            if delta > 0:
+                book.pin(node)
+            else:
+                book.unpin(node)
+                if node.lock_count == 0 and node.is_parked:
+                    self.evictor.touch(node)
             node = node.parent
 
     # --- insertion ---------------------------------------------------------------------------
@@ -265,10 +298,11 @@ class HybridPrefixCache(Placement):
     def _insert_kv(self, keys: list, now_s: float, lease: RequestLease):
         """Add the pages the tree lacks as one new GPU leaf. Returns (path root->end, pages added);
         every node on the returned path is pinned until the lease closes."""
+        evictor = self.evictor
         path, pos, partial = self.tree.walk(keys)
         if partial is not None:
             head = self.tree.split(partial, pos - partial.start_pages, now_s)
-            self._touch(partial)
+            evictor.touch(partial)
             path.append(head)
         for node in path:
             node.kv_access_s = now_s
@@ -278,22 +312,21 @@ class HybridPrefixCache(Placement):
             return path, 0
         size = num_new * self.config.kv_bytes_per_page
         self._lock(parent, +1)  # making room must not evict the path we attach to
-        ok = self._make_room(self.ledger.pool_of(Tier.GPU, ItemKind.KV), size, now_s)
+        ok = evictor.make_room(self.ledger.pool_of(Tier.GPU, ItemKind.KV), size, now_s)
         self._lock(parent, -1)
         if not ok:
             self.stats.num_insert_failures += 1
             return path, 0
         was_leaf_with_state = parent is not self.tree.root and not parent.children and parent.ckpt_mask
         leaf = self.tree.add_child(parent, keys[pos:], now_s)
-        self._put(leaf, ItemKind.KV, Tier.GPU, "put")
+        self.book.put(leaf, ItemKind.KV, Tier.GPU, "put")
         self._lock(leaf, +1)
         lease.pinned.append(leaf)
-        if self.policy.write_through:
-            self._write_through(leaf, ItemKind.KV, now_s)
-        self._touch(leaf)
-        self._touch(parent)
+        self.placement.copy_down(leaf, ItemKind.KV, now_s)
+        evictor.touch(leaf)
+        evictor.touch(parent)
         if was_leaf_with_state:
-            self._retire_terminal(parent, now_s)
+            self.placement.retire_terminal(parent, now_s)
         path.append(leaf)
         return path, num_new
 
@@ -305,7 +338,7 @@ class HybridPrefixCache(Placement):
         if node.depth_pages == depth:
             return node
         head = self.tree.split(node, depth - node.start_pages, now_s)
-        self._touch(node)
+        self.evictor.touch(node)
         path.insert(i, head)
         return head
 
@@ -313,92 +346,19 @@ class HybridPrefixCache(Placement):
         if node.ckpt_mask:
             node.ckpt_access_s = now_s
             return 0
-        tier = Tier.GPU if is_terminal or node.children == {} else self._historical_tier()
-        node.lock_count += 1
-        ok = self._make_room(self.ledger.pool_of(tier, ItemKind.CHECKPOINT), self.config.checkpoint_size_bytes, now_s)
-        node.lock_count -= 1
+        tier = self.placement.checkpoint_home(is_terminal or not node.children)
+        book = self.book
+        book.pin(node)
+        ok = self.evictor.make_room(book.pool(tier, ItemKind.CHECKPOINT), self.config.checkpoint_size_bytes, now_s)
+        book.unpin(node)
         if not ok:
             self.stats.num_checkpoint_failures += 1
             return 0
         node.ckpt_access_s = node.ckpt_created_s = now_s
-        self._put(node, ItemKind.CHECKPOINT, tier, "put")
-        if self.policy.write_through:
-            self._write_through(node, ItemKind.CHECKPOINT, now_s)
-        self._touch_checkpoint_neighbourhood(node)
+        book.put(node, ItemKind.CHECKPOINT, tier, "put")
+        self.placement.copy_down(node, ItemKind.CHECKPOINT, now_s)
+        self.evictor.touch_checkpoint_neighbourhood(node)
         return 1
-
-    # --- eviction ----------------------------------------------------------------------------
-
-    def _make_room(self, pool, size_bytes: int, now_s: float) -> bool:
-        """Evict from `pool` until `size_bytes` fit (I1). False if it cannot be done."""
-        if not self.ledger.fits_ever(pool, size_bytes):
-            return False
-        while self.ledger.free_bytes(pool) < size_bytes:
-            if not self._evict_one(pool, now_s):
-                return False
-        return True
-
-    def _evict_one(self, pool, now_s: float) -> bool:
-        heap = self.heaps[pool]
-        while heap:
-            score, _, node, unit, bit_index, version = heap[0]
-            if not node.is_alive or node.version != version:
-                heapq.heappop(heap)
-                continue
-            if node.lock_count:
-                heapq.heappop(heap)
-                node.is_parked = True  # I7: re-offered when its last pin goes
-                continue
-            current = self.policy.score(self, node, unit, 1 << bit_index)
-            if current > score + 1e-9:  # refreshed since pushed: put it back at its true rank
-                heapq.heapreplace(heap, (current, next(self._seq), node, unit, bit_index, version))
-                continue
-            heapq.heappop(heap)
-            self._evict_unit(node, unit, ALL_TIERS[bit_index], now_s)
-            if len(heap) > _COMPACT_FACTOR * (self.tree.num_nodes + 1024):
-                self._rebuild_heaps()
-            return True
-        return False
-
-    def _touch(self, node: Node) -> None:
-        """Invalidate `node`'s heap entries and push its current units.
-
-        Entries are pushed with the unit's last access time, a lower bound of every policy's score
-        (Policy.score contract); the true score is computed only if the entry reaches the top of
-        the heap, where `_evict_one` re-ranks it. Most entries are invalidated before that.
-        """
-        node.version += 1
-        node.is_parked = False
-        if not node.is_alive or node.parent is None:
-            return
-        for unit, t in units_of(node, self.policy.partitioned):
-            bound = last_access_s(node, unit, 1 << t)
-            heapq.heappush(self._heap_of[unit, t], (bound, next(self._seq), node, unit, t, node.version))
-
-    def _touch_upward(self, node: Node) -> None:
-        """`node` changed shape: re-rank it and its ancestors up to the nearest checkpoint, whose
-        span (eq. 7's C of an intermediate checkpoint) runs through it."""
-        while node is not None and node.parent is not None:
-            self._touch(node)
-            if node.ckpt_mask:
-                break
-            node = node.parent
-        if node is not None and node.parent is not None:
-            self._touch(node)
-
-    def _touch_checkpoint_neighbourhood(self, node: Node) -> None:
-        """A checkpoint appeared or vanished at `node`: the gap of the checkpoints below changed too
-        (affected costs are updated without touching timestamps, paper §3.3)."""
-        self._touch(node)
-        self._touch_upward(node.parent)
-        for child in node.children.values():
-            self._touch(child)
-
-    def _rebuild_heaps(self) -> None:
-        """Drop stale entries (dead node or old version); live ones keep their place and score."""
-        for heap in self.heaps.values():
-            heap[:] = [e for e in heap if e[2].is_alive and e[2].version == e[5]]  # in place: _heap_of aliases it
-            heapq.heapify(heap)
 
 
 @dataclass(frozen=True, slots=True)

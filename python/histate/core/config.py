@@ -1,6 +1,8 @@
-"""Cache configuration: sizes, per-tier budgets and the knobs of HiState's controllers.
+"""Cache configuration and every default HiState's controllers use, in one home.
 
-One frozen dataclass; every field carries its unit. Validation names the offending field.
+The CLI (`histate replay`), the simulator's `ReplayConfig`, the reference executor and the SGLang
+plugin read their defaults from here, so a default is written once. One frozen dataclass; every field
+carries its unit. Validation names the offending field.
 """
 from __future__ import annotations
 
@@ -9,12 +11,43 @@ from typing import Mapping
 
 from .types import ALL_TIERS, ConfigError, Tier
 
+STATE_GRID_TOKENS = 64
+"""Gated-DeltaNet / FLA chunk: recurrent states exist only every 64 tokens (SGLang:
+`runtime_context.mamba_cache_chunk_size()`), so checkpoints sit on this grid."""
+
 DEFAULT_INTERVALS_PAGES = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Eq. 5 candidate set of checkpoint intervals, in 64-token pages (128 ... 32,768 tokens)."""
+
+DEFAULT_INTERVALS_TOKENS = tuple(p * STATE_GRID_TOKENS for p in DEFAULT_INTERVALS_PAGES)
+
+DEFAULT_TAU_S = 60.0
+"""Eq. 7 time scale: seconds of recency one unit of recompute-per-byte is worth. The paper gives no
+value; 60 s was best or tied in a sweep (15/60/120/600/3600 s) on three workload settings
+(docs/results.md) and matches agent turn gaps."""
+
+DEFAULT_EMA_ALPHA = 0.1
+"""Weight of a new observation in the residence-time and terminal-hit EMAs."""
+
+DEFAULT_TERMINAL_HIT_PRIOR = 0.9
+"""Prior of the EMA of hits that land on a terminal checkpoint (appends dominate agent traffic)."""
+
+NEAR_END_WINDOW_PAGES = 8
+"""Offsets before a trajectory's end (pages) whose hit probability is learned separately (policy_state.py:
+the reuse-position prior). On the Weka traces 4.4% of reused pages come from requests that leave the
+previous request's context exactly one page before its end and 0.8% two to four pages before it
+(docs/results.md), so a window of 8 pages covers what was seen with room to spare."""
+
+DEFAULT_CHUNK_PAGES = 128
+"""Chunked-prefill size in 64-token pages: SGLang's 8192-token default on 80 GB GPUs
+(sglang/srt/arg_groups/memory_hook.py), where SGLang keeps a state per chunk."""
+
+DEFAULT_FIXED_INTERVAL_PAGES = 288
+"""Interval of the `histate-fixed32` ablation: the paper's 32 vLLM blocks of 576 tokens = 288 pages."""
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_num_tokens: int = 64
+    page_num_tokens: int = STATE_GRID_TOKENS
     """Tokens per page; Weka hash_ids cover 64 tokens and GDN chunks are 64 tokens."""
     kv_bytes_per_token: int = 32 * 1024
     """K+V of all full-attention layers (Qwen3.5-9B BF16: 8 layers x 2 x 4 heads x 256 dims x 2 B)."""
@@ -26,20 +59,18 @@ class CacheConfig:
     """Per-tier budget shared by KV and checkpoints; a tier absent here does not exist."""
     state_fraction: Mapping[Tier, float] = field(default_factory=dict)
     """Static-partition baselines only: fraction of each tier reserved for checkpoints."""
-    tau_s: float = 60.0
-    """Eq. 7 time scale: seconds of recency one unit of recompute-per-byte is worth. The paper gives
-    no value; 60 s was best or tied in a sweep (15/60/120/600/3600 s) on the Weka preset, the uncapped
-    Weka timing and the synthetic workload (docs/results.md), and matches agent turn gaps."""
+    tau_s: float = DEFAULT_TAU_S
+    """Eq. 7 time scale (see DEFAULT_TAU_S)."""
     supported_intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
     """Eq. 5 candidate set of checkpoint intervals, in pages."""
-    fixed_interval_pages: int = 288
-    """Interval of the `histate-fixed32` ablation: the paper's 32 vLLM blocks of 576 tokens = 288 pages."""
-    chunk_pages: int = 128
-    """Chunked-prefill size in pages (SGLang default 8192 tokens): where SGLang keeps states."""
-    ema_alpha: float = 0.1
+    fixed_interval_pages: int = DEFAULT_FIXED_INTERVAL_PAGES
+    """Interval of the `histate-fixed32` ablation."""
+    chunk_pages: int = DEFAULT_CHUNK_PAGES
+    """Chunked-prefill size in pages: where SGLang keeps states."""
+    ema_alpha: float = DEFAULT_EMA_ALPHA
     """Weight of a new observation in the residence-time and terminal-hit EMAs."""
-    initial_terminal_hit_prob: float = 0.9
-    """Prior for the EMA of hits that land on a terminal checkpoint (appends dominate agents)."""
+    initial_terminal_hit_prob: float = DEFAULT_TERMINAL_HIT_PRIOR
+    """Prior for the EMA of hits that land on a terminal checkpoint."""
     record_ops: bool = False
     """Keep a log of TierOps for executors (off in the simulator: it only needs byte counts)."""
 

@@ -17,11 +17,8 @@ def check_invariants(cache) -> None:
         if ledger.has_tier(t):
             allowed |= 1 << t
     used = {pool: 0 for pool in ledger.capacity_bytes}
-    live_entries = set()
-    for pool, heap in cache.heaps.items():
-        for _, _, node, unit, t, version in heap:
-            if node.is_alive and node.version == version:
-                live_entries.add((node.id, unit, t))
+    protected = {pool: 0 for pool in ledger.capacity_bytes}
+    live_entries = cache.evictor.live_units()
     num_nodes = 0
     for node in tree.iter_nodes():
         num_nodes += 1
@@ -49,19 +46,30 @@ def check_invariants(cache) -> None:
         if cache.num_open_leases == 0 and node.lock_count != 0:
             _fail("I5", f"{node} still locked with no request open")
         for t in tiers_in(node.kv_mask):
-            used[ledger.pool_of(t, ItemKind.KV)] += node.num_pages * cache.config.kv_bytes_per_page
+            pool = ledger.pool_of(t, ItemKind.KV)
+            used[pool] += node.num_pages * cache.config.kv_bytes_per_page
+            if node.lock_count:
+                protected[pool] += node.num_pages * cache.config.kv_bytes_per_page
         for t in tiers_in(node.ckpt_mask):
-            used[ledger.pool_of(t, ItemKind.CHECKPOINT)] += cache.config.checkpoint_size_bytes
+            pool = ledger.pool_of(t, ItemKind.CHECKPOINT)
+            used[pool] += cache.config.checkpoint_size_bytes
+            if node.lock_count:
+                protected[pool] += cache.config.checkpoint_size_bytes
         # I7: every evictable unit is offered to the victim heaps
         if not node.lock_count and not node.is_parked:
             for unit, t in units_of(node, policy.partitioned):
-                if (node.id, unit, t) not in live_entries:
+                if (id(node), unit, t) not in live_entries:
                     _fail("I7", f"{node} unit {unit.value}@{Tier(t).name} missing from the victim heap")
     if num_nodes != tree.num_nodes:
         _fail("I4", f"tree counts {tree.num_nodes} nodes but holds {num_nodes}")
     for pool, capacity in ledger.capacity_bytes.items():
-        # I2: the ledger is the sum of the items; I1: never above capacity
+        # I2: the ledger is the sum of the items; I1: never above capacity, reservations included
         if ledger.used_bytes[pool] != used[pool]:
             _fail("I2", f"pool {pool}: ledger says {ledger.used_bytes[pool]} B, items sum to {used[pool]} B")
-        if used[pool] > capacity:
-            _fail("I1", f"pool {pool}: {used[pool]} B used > capacity {capacity} B")
+        reserved = ledger.reserved_bytes[pool]
+        if reserved < 0 or used[pool] + reserved > capacity:
+            _fail("I1", f"pool {pool}: {used[pool]} B used + {reserved} B reserved > capacity {capacity} B")
+        # I10: protected bytes are exactly the copies held by pinned nodes
+        if ledger.protected_bytes[pool] != protected[pool]:
+            _fail("I10", f"pool {pool}: ledger protects {ledger.protected_bytes[pool]} B, "
+                         f"pinned copies sum to {protected[pool]} B")

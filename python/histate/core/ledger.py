@@ -1,8 +1,16 @@
-"""Capacity ledgers: the single source of truth for bytes used per tier.
+"""Capacity ledgers: the single source of truth for bytes per pool.
 
 HiState shares each tier's budget between KV and checkpoints (one pool per tier). The SGLang
 baseline splits each tier statically (one pool per (tier, kind)). Both are `Ledger`s; the cache asks
-`pool_of(tier, kind)` and never needs to know which one it has. Maintains invariants I1 and I2.
+`pool_of(tier, kind)` and never needs to know which one it has.
+
+Per pool the ledger keeps three numbers, the same three SGLang's allocator and tree keep:
+  used       bytes of cached copies (I2: the sum of the copies in the pool)
+  protected  the part of `used` held by pinned nodes: eviction cannot free it (I10)
+  reserved   bytes promised to running requests outside the cache (their new KV and working
+             state while they compute; an engine model reserves them at admission)
+so free = capacity - used - reserved (I1: never negative) and what eviction can still free is
+used - protected. Maintains I1, I2 and I10 together with items.ItemBook, its only writer.
 """
 from __future__ import annotations
 
@@ -15,8 +23,14 @@ class Ledger:
     """One pool per tier, shared by KV and checkpoints."""
 
     def __init__(self, capacity_bytes: Mapping[Tier, int]):
-        self.capacity_bytes: dict = {Tier(t): int(b) for t, b in capacity_bytes.items()}
-        self.used_bytes: dict = {pool: 0 for pool in self.capacity_bytes}
+        self._init_pools({Tier(t): int(b) for t, b in capacity_bytes.items()})
+        self._tiers = set(self.capacity_bytes)
+
+    def _init_pools(self, capacity_bytes: dict) -> None:
+        self.capacity_bytes: dict = capacity_bytes
+        self.used_bytes: dict = {pool: 0 for pool in capacity_bytes}
+        self.protected_bytes: dict = {pool: 0 for pool in capacity_bytes}
+        self.reserved_bytes: dict = {pool: 0 for pool in capacity_bytes}
 
     def pool_of(self, tier: Tier, kind: ItemKind) -> Hashable:
         return tier
@@ -25,19 +39,29 @@ class Ledger:
         return [tier]
 
     def has_tier(self, tier: Tier) -> bool:
-        return tier in self.capacity_bytes
+        return tier in self._tiers
 
     def free_bytes(self, pool: Hashable) -> int:
-        return self.capacity_bytes[pool] - self.used_bytes[pool]
+        return self.capacity_bytes[pool] - self.used_bytes[pool] - self.reserved_bytes[pool]
+
+    def evictable_bytes(self, pool: Hashable) -> int:
+        return self.used_bytes[pool] - self.protected_bytes[pool]
 
     def fits_ever(self, pool: Hashable, size_bytes: int) -> bool:
-        return size_bytes <= self.capacity_bytes[pool]
+        return size_bytes <= self.capacity_bytes[pool] - self.reserved_bytes[pool]
 
     def add(self, pool: Hashable, size_bytes: int) -> None:
         self.used_bytes[pool] += size_bytes
 
     def sub(self, pool: Hashable, size_bytes: int) -> None:
         self.used_bytes[pool] -= size_bytes
+
+    def protect(self, pool: Hashable, size_bytes: int) -> None:
+        """Move `size_bytes` (negative: back) between evictable and protected within `used`."""
+        self.protected_bytes[pool] += size_bytes
+
+    def reserve(self, pool: Hashable, size_bytes: int) -> None:
+        self.reserved_bytes[pool] += size_bytes
 
 
 class PartitionedLedger(Ledger):
@@ -54,8 +78,7 @@ class PartitionedLedger(Ledger):
             state = int(size * frac)
             pools[(Tier(tier), ItemKind.CHECKPOINT)] = state
             pools[(Tier(tier), ItemKind.KV)] = int(size) - state
-        self.capacity_bytes = pools
-        self.used_bytes = {pool: 0 for pool in pools}
+        self._init_pools(pools)
         self._tiers = {Tier(t) for t in capacity_bytes}
 
     def pool_of(self, tier: Tier, kind: ItemKind) -> Hashable:
@@ -63,6 +86,3 @@ class PartitionedLedger(Ledger):
 
     def pools_of_tier(self, tier: Tier) -> list:
         return [(tier, ItemKind.KV), (tier, ItemKind.CHECKPOINT)]
-
-    def has_tier(self, tier: Tier) -> bool:
-        return tier in self._tiers

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from .types import ItemKind, MatchResult, Tier, UnitKind
 
 
+_TIER_NAMES = {t: t.name for t in Tier}  # enum .name is a property lookup on the eviction path
+
+
 @dataclass
 class CacheStats:
     num_requests: int = 0
@@ -41,7 +44,7 @@ class CacheStats:
             self.checkpoints_written_by_tier[tier] += 1
 
     def on_eviction(self, unit: UnitKind, tier: Tier, outcome: str) -> None:
-        self.evictions[(unit.value, tier.name, outcome)] += 1
+        self.evictions[(unit.value, _TIER_NAMES[tier], outcome)] += 1
 
     @property
     def page_hit_rate(self) -> float:

@@ -16,17 +16,30 @@ class Tier(enum.IntEnum):
     CPU = 1
     SSD = 2
 
+    # Tiers key every ledger and heap dict on the hot path; Enum.__hash__ is a Python-level call,
+    # int's is not, and it agrees with int equality (Tier.GPU == 0).
+    __hash__ = int.__hash__
+
 
 ALL_TIERS = (Tier.GPU, Tier.CPU, Tier.SSD)
+
+GPU_BIT, CPU_BIT, SSD_BIT = 1 << Tier.GPU, 1 << Tier.CPU, 1 << Tier.SSD
+"""Tier bits of `Node.kv_mask` / `Node.ckpt_mask` (every executor's node view uses the same bits)."""
+
+SGLANG_TIER_NAMES = {Tier.GPU: "device", Tier.CPU: "host", Tier.SSD: "storage"}
+"""SGLang's names for the tiers (HiCache L1 / L2 / L3); metrics and logs of the plugin use them."""
 
 
 def tier_bit(tier: Tier) -> int:
     return 1 << int(tier)
 
 
-def tiers_in(mask: int) -> list[Tier]:
-    """Tiers whose bit is set in `mask`, fastest first."""
-    return [t for t in ALL_TIERS if mask & (1 << int(t))]
+_TIERS_OF_MASK = tuple(tuple(t for t in ALL_TIERS if mask & (1 << int(t))) for mask in range(1 << len(ALL_TIERS)))
+
+
+def tiers_in(mask: int) -> tuple:
+    """Tiers whose bit is set in `mask`, fastest first (a table lookup: this is on every hot path)."""
+    return _TIERS_OF_MASK[mask]
 
 
 def fastest_tier(mask: int) -> Optional[Tier]:
@@ -42,6 +55,8 @@ class ItemKind(enum.Enum):
     KV = "kv"
     CHECKPOINT = "checkpoint"
 
+    __hash__ = object.__hash__  # members are singletons and compare by identity: a C-level hash
+
 
 class UnitKind(enum.Enum):
     """Eviction units (paper §3.3): an intermediate checkpoint alone, or a terminal bundle
@@ -49,6 +64,8 @@ class UnitKind(enum.Enum):
 
     CHECKPOINT = "checkpoint"
     BUNDLE = "bundle"
+
+    __hash__ = object.__hash__  # as ItemKind
 
 
 class HiStateError(Exception):
@@ -77,6 +94,10 @@ class MatchResult:
     checkpoint_tier: Optional[Tier] = None
     checkpoint_size_bytes: int = 0
     is_terminal_hit: bool = False  # the checkpoint at c ends a trajectory (append-style hit)
+    end_offset_pages: Optional[int] = None
+    """Where the request left the cached tree, in pages before the end of the most recently used
+    trajectory below that point: 0 = at its end (an append), k = k pages before it; None when farther
+    than the near-end window or nothing matched. The evidence behind the learned reuse-position prior."""
 
 
 @dataclass(frozen=True, slots=True)

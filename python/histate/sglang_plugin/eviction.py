@@ -28,8 +28,7 @@ import heapq
 from itertools import count
 from typing import Any, Callable, Optional
 
-from histate.core import UnitKind
-from histate.core.units import last_access_s
+from histate.core import PolicyState, UnitKind
 
 from .node_view import GPU_BIT, MAMBA, NodeView, ScoringContext, has_device_state
 
@@ -106,7 +105,7 @@ class UnifiedEvictionRanker:
 
     def _push(self, node: Any, unit: UnitKind, score: Optional[float] = None) -> None:
         if score is None:  # a lower bound of every policy's score (core Policy.score contract)
-            score = last_access_s(NodeView(node, self._context()), unit, GPU_BIT)
+            score = PolicyState.bound(NodeView(node, self._context()), unit, GPU_BIT)
         heap = self.bundles if unit is UnitKind.BUNDLE else self.checkpoints
         heapq.heappush(heap, (score, next(self._seq), node, unit, _version(node)))
 

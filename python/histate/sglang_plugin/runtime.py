@@ -12,9 +12,7 @@ import math
 import time
 from typing import Any, Callable, Optional
 
-from histate.core import CacheConfig, IntervalController, Tier, UnitKind, make_policy
-from histate.core.interval import Ema
-from histate.core.policies import AdmissionContext
+from histate.core import AdmissionContext, CacheConfig, Ema, IntervalController, Tier, UnitKind, make_policy
 
 from .config import HiStateConfig
 from .eviction import UnifiedEvictionRanker

@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core import CacheConfig, Tier, make_cache
-from ..core.config import DEFAULT_INTERVALS_PAGES
+from ..core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, Tier, make_cache
 from .costs import HardwareSpec, RooflineStepCost, get_hardware, get_model
 from .engine import Engine, EngineConfig, EngineRequest, EventKind
 from .metrics import PolicyRun, RequestRecord
@@ -43,7 +42,7 @@ class ReplayConfig:
     max_live_sessions: int = 24
     max_sessions: Optional[int] = None  # root sessions admitted in total (None: all)
     seed: int = 0
-    tau_s: float = 60.0
+    tau_s: float = DEFAULT_TAU_S
     intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
     engine: EngineConfig = field(default_factory=EngineConfig)
     step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline
@@ -74,10 +73,13 @@ class _SessionRun:
 class _Replay:
     """One policy's replay; `run()` returns its PolicyRun. Not reusable."""
 
-    def __init__(self, workload: Workload, policy: str, config: ReplayConfig, on_request_done: Callable):
+    def __init__(self, workload: Workload, policy: str, config: ReplayConfig, on_request_done: Callable,
+                 observer=None):
         self.workload, self.config = workload, config
         self.page_num_tokens = workload.page_num_tokens
         self.cache = make_cache(policy, config.cache_config(workload.page_num_tokens))
+        self.cache.observer = observer
+        self.observer = observer  # an explain.EvictionLog: told which request each cache call serves
         self.engine = Engine(get_model(config.model), config.resolved_hardware(), config.engine, config.step_cost)
         self.policy = policy
         self.on_request_done = on_request_done
@@ -157,6 +159,8 @@ class _Replay:
     # --- requests ------------------------------------------------------------------------------
 
     def _on_arrival(self, run: _SessionRun, req, t: float) -> None:
+        if self.observer is not None:
+            self.observer.set_request(req.uid)
         lease = self.cache.begin_request(req.page_keys, t)
         positions = self.cache.plan_checkpoints(lease)
         m = lease.match
@@ -171,6 +175,8 @@ class _Replay:
         self._charge_writes(t)
 
     def _on_first_token(self, uid, t: float) -> None:
+        if self.observer is not None:
+            self.observer.set_request(uid)
         lease, positions, record, _ = self.in_flight[uid]
         self.cache.finish_request(lease, None, t, positions)
         record.first_token_s = t
@@ -199,18 +205,21 @@ class _Replay:
 
 
 def replay(workload: Workload, policy: str, config: ReplayConfig = ReplayConfig(),
-           on_request_done: Callable = lambda: None) -> PolicyRun:
-    return _Replay(workload, policy, config, on_request_done).run()
+           on_request_done: Callable = lambda: None, observer=None) -> PolicyRun:
+    """One policy's replay. `observer`: an explain.EvictionLog recording why reuse was lost."""
+    return _Replay(workload, policy, config, on_request_done, observer).run()
 
 
 def replay_policies(workload: Workload, policies: Sequence[str], config: ReplayConfig = ReplayConfig(),
-                    progress: bool = True) -> dict:
-    """Every policy on the same workload and admission order; a progress bar per policy."""
+                    progress: bool = True, observers: Optional[dict] = None) -> dict:
+    """Every policy on the same workload and admission order; a progress bar per policy.
+    `observers`: policy name -> explain.EvictionLog for the policies being explained."""
     runs = {}
+    observers = observers or {}
     num_requests = _num_admitted_requests(workload, config)
     for name in policies:
         bar = _progress_bar(num_requests, name) if progress else None
-        runs[name] = replay(workload, name, config, bar.update if bar else (lambda: None))
+        runs[name] = replay(workload, name, config, bar.update if bar else (lambda: None), observers.get(name))
         if bar:
             bar.close()
     return runs

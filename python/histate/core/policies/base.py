@@ -2,10 +2,12 @@
 
 A policy is a small class: a few flags (which tiers, inclusive or exclusive placement, where
 historical checkpoints go, refresh rule, static split) and two decisions:
-  admit(ctx)                  -> checkpoint depths (pages) for a request's new segment
-  score(cache, node, unit, t) -> eviction priority; the lowest is evicted first. Contract: a score
-                                 is never below the unit's last access time (GreedyDual form
-                                 t + non-negative term), which lets the victim heap rank lazily.
+  admit(ctx)                   -> checkpoint depths (pages) for a request's new segment
+  score(ctx, node, unit, bit)  -> eviction priority; the lowest is evicted first. `ctx` is a
+                                  `ScoringContext` (never the cache); `node` anything with the core
+                                  node's read-only shape (docs/core-api.md). Contract: a score is never
+                                  below the unit's last access time (GreedyDual form t + non-negative
+                                  term), which lets the victim heap rank lazily (victims.py).
 Policies never mutate the tree; the cache applies their decisions (docs/policies.md).
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
 from ..units import last_access_s
 
@@ -27,6 +30,7 @@ class AdmissionContext:
     controller: object  # IntervalController
     config: object  # CacheConfig
     now_s: float = 0.0
+    near_end_probs: tuple = ()  # learned reuse-position prior near the segment's end (PolicyState)
 
 
 class Policy:
@@ -38,11 +42,12 @@ class Policy:
     partitioned = False  # static KV/state split per tier (SGLang); else one shared pool per tier
     dense_checkpoints = False  # `unlimited`: a state at every page boundary
     unbounded = False  # ignore configured capacities
+    learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)
 
-    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
+    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         return last_access_s(node, unit, bit)
 
 

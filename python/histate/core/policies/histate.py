@@ -1,6 +1,9 @@
 """HiState (paper §3) and the ablations of Figure 10.
 
-histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymmetric tiering
+histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymmetric tiering, with eq. 3's
+                   p_t learned online near each trajectory's end (departure from the paper's uniform p_t:
+                   docs/policies.md "Reuse-position prior")
+histate-uniform    the paper's uniform interior prior in eq. 3 and eq. 7 (ablation of the learned prior)
 histate-align      admission replaced by vLLM's align rule (terminal state only)
 histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 from . import register_policy
 from .base import AdmissionContext, Policy, fixed_grid, terminal_only
+from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
 from ..units import expected_recompute_tokens, last_access_s, reclaim_tokens
 
@@ -19,18 +23,24 @@ class HiState(Policy):
     tiers = (Tier.GPU, Tier.CPU, Tier.SSD)
     historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
     refresh_all = True
+    learns_reuse_positions = True
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
-        positions = ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s)
+        positions = ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs)
         if ctx.start_pages < ctx.kv_match_pages < ctx.end_pages:  # an observed branch point
             positions = sorted(set(positions) | {ctx.kv_match_pages})
         return positions
 
-    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
-        cfg = cache.config
-        cost = expected_recompute_tokens(node, unit, cache.terminal_prob, cfg.page_num_tokens)
-        reclaim = reclaim_tokens(node, unit, bit, cfg.page_num_tokens, cfg.checkpoint_token_equiv)
-        return last_access_s(node, unit, bit) + cfg.tau_s * cost / reclaim
+    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
+
+
+@register_policy
+class HiStateUniform(HiState):
+    name = "histate-uniform"
+    learns_reuse_positions = False
 
 
 @register_policy
@@ -54,5 +64,5 @@ class HiStateLruDisk(HiState):
     name = "histate-lru-disk"
     refresh_all = False
 
-    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
+    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         return last_access_s(node, unit, bit)

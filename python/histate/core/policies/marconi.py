@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from . import register_policy
 from .base import AdmissionContext, Policy, terminal_and_branch
+from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
 from ..units import last_access_s, prev_checkpoint_depth, reclaim_tokens
 
@@ -22,8 +23,7 @@ class Marconi(Policy):
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_and_branch(ctx)
 
-    def score(self, cache, node, unit: UnitKind, bit: int) -> float:
-        cfg = cache.config
-        saved = (node.depth_pages - prev_checkpoint_depth(node)) * cfg.page_num_tokens
-        reclaim = reclaim_tokens(node, unit, bit, cfg.page_num_tokens, cfg.checkpoint_token_equiv)
-        return last_access_s(node, unit, bit) + cfg.tau_s * saved / reclaim
+    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
+        saved = (node.depth_pages - prev_checkpoint_depth(node)) * ctx.page_num_tokens
+        reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit) + ctx.tau_s * saved / reclaim

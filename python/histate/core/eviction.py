@@ -1,0 +1,233 @@
+"""Evictor: which unit leaves a pool when room is needed, and what its leaving does to the tree.
+
+Units (units.py) are ranked per pool in a lazy victim heap (victims.py) with the policy's score
+(eq. 7 for HiState). `make_room` evicts the lowest-ranked unpinned unit until the bytes fit (I1). An
+evicted unit moves down a tier when room can be made there (placement.TierPlan), and is dropped only
+from the last tier; interior KV is never dropped (I3).
+
+Re-ranking after an eviction (paper §3.3: "affected costs are updated after eviction without
+changing last-access timestamps"). A heap entry only has to stay a lower bound of its unit's score,
+so only changes that can *lower* a score need a re-offer:
+  * a node whose units changed (a copy left a tier; a parent became a tier leaf; a merge): at once,
+    so nothing escapes eviction (I7) and no stale unit is ever evicted;
+  * the nearest checkpoint above a removed leaf: its span, and with it C, shrinks. This is the only
+    neighbour re-rank eviction needs, and it is deferred to the end of the `make_room` pass (batch
+    eviction: one request's evictions re-rank each affected checkpoint once, not once per unit);
+  * a checkpoint that vanishes only *raises* its neighbours' C (longer gap below, longer span above),
+    so their entries stay valid lower bounds and are re-scored when they reach the top.
+New checkpoints lower their neighbours' costs; `touch_checkpoint_neighbourhood` re-offers them.
+"""
+from __future__ import annotations
+
+from .items import ItemBook
+from .placement import TierPlan
+from .policy_state import PolicyState
+from .tree import Node, RadixTree
+from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
+from .units import units_of
+from .victims import VictimHeap, reoffer
+
+_COMPACT_FACTOR = 4  # rebuild the heaps once stale entries outnumber live ones this many times
+
+
+class Evictor:
+    def __init__(self, tree: RadixTree, book: ItemBook, state: PolicyState, plan: TierPlan):
+        self.tree = tree
+        self.book = book
+        self.state = state
+        self.plan = plan
+        self.partitioned = state.policy.partitioned
+        ledger = book.ledger
+        self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
+        self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
+        self._deferred: dict = {}  # id -> node whose re-rank waits for the end of the pass
+        self._pass_depth = 0  # make_room nests (demotion makes room below): flush at the outermost
+        self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
+            (unit, int(t)): self.heaps[ledger.pool_of(t, ItemKind.KV if unit is UnitKind.BUNDLE else ItemKind.CHECKPOINT)]
+            for unit in UnitKind for t in ALL_TIERS if ledger.has_tier(t)}
+
+    # --- offering units --------------------------------------------------------------------------
+
+    def touch(self, node: Node) -> None:
+        """Re-offer `node`'s current units (its old entries become stale)."""
+        if node.parent is None:
+            return
+        reoffer(node, units_of(node, self.partitioned), self._heap_for, self.state.bound)
+
+    def _heap_for(self, unit: UnitKind, tier_index: int) -> VictimHeap:
+        return self._heap_of[unit, tier_index]
+
+    def _rerank_checkpoint_above(self, node: Node) -> None:
+        """`node`'s subtree shrank: the nearest checkpoint at or above it spans fewer pages, so its C
+        dropped. Deferred while a `make_room` pass runs."""
+        while node.parent is not None and not node.ckpt_mask:
+            node = node.parent
+        if node.parent is None:
+            return
+        if self._pass_depth:
+            self._deferred[id(node)] = node
+        else:
+            self.touch(node)
+
+    def _flush_deferred(self) -> bool:
+        """Re-offer the nodes deferred during the pass; True if there were any."""
+        if not self._deferred:
+            return False
+        deferred, self._deferred = self._deferred, {}
+        for node in deferred.values():
+            if node.is_alive:
+                self.touch(node)
+        return True
+
+    def touch_checkpoint_neighbourhood(self, node: Node) -> None:
+        """A checkpoint appeared or vanished at `node`: the gap of the checkpoints below changed too
+        (affected costs are updated without touching timestamps, paper §3.3)."""
+        self.touch(node)
+        parent = node.parent
+        while parent.parent is not None:  # ancestors up to and including the previous checkpoint
+            self.touch(parent)
+            if parent.ckpt_mask:
+                break
+            parent = parent.parent
+        for child in node.children.values():
+            self.touch(child)
+
+    # --- making room -------------------------------------------------------------------------------
+
+    def make_room(self, pool, size_bytes: int, now_s: float) -> bool:
+        """Evict from `pool` until `size_bytes` fit (I1). False if it cannot be done. One pass: the
+        re-ranks that evictions cause are applied once, at the end (or when the pool runs dry)."""
+        ledger = self.book.ledger
+        if not ledger.fits_ever(pool, size_bytes):
+            return False
+        self._pass_depth += 1
+        try:
+            while ledger.free_bytes(pool) < size_bytes:
+                if not self._evict_one(pool, now_s) and not (self._flush_deferred() and self._evict_one(pool, now_s)):
+                    return False
+            return True
+        finally:
+            self._pass_depth -= 1
+            if not self._pass_depth:
+                self._flush_deferred()
+
+    def _rank(self, node: Node, unit: UnitKind, tier_index: int):
+        if node.lock_count:
+            return None  # pinned: parked until its last pin goes (cache._lock re-offers it)
+        return self.state.score(node, unit, 1 << tier_index)
+
+    def _evict_one(self, pool, now_s: float) -> bool:
+        heap = self.heaps[pool]
+        victim = heap.pop_lowest(self._rank)
+        if victim is None:
+            return False
+        node, unit, t, _ = victim
+        self.evict_unit(node, unit, ALL_TIERS[t], now_s)
+        if len(heap) > _COMPACT_FACTOR * (self.tree.num_nodes + 1024):
+            for h in self.heaps.values():
+                h.compact()
+        return True
+
+    # --- evicting one unit -------------------------------------------------------------------------
+
+    def evict_unit(self, node: Node, unit: UnitKind, tier: Tier, now_s: float) -> None:
+        if self.observer is not None:
+            self.observer.on_unit_evicted(node, unit, tier, now_s, self.state.score_terms(node, unit, 1 << tier))
+        book = self.book
+        book.pin(node)  # cascades below must neither evict nor merge this node
+        if unit is UnitKind.CHECKPOINT:
+            outcome = self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
+        else:
+            outcome = self._evict_copy(node, ItemKind.KV, tier, now_s)
+            if outcome in ("shed", "demote") and not node.children and node.ckpt_mask & (1 << tier):
+                self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
+        book.unpin(node)
+        if outcome == "stuck":
+            node.is_parked = True  # nothing moved; re-offered when touched or unlocked
+            return
+        if unit is UnitKind.BUNDLE and not node.kv_mask & GPU_BIT:
+            self.state.on_kv_left_gpu(node, now_s)  # T_KV: time the KV held the GPU
+        book.stats.on_eviction(unit, tier, outcome)
+        if outcome == "drop" and unit is UnitKind.BUNDLE:
+            self.remove_node(node, now_s)
+            return
+        self.settle(node, checkpoint_gone=outcome == "drop")
+
+    def settle(self, node: Node, checkpoint_gone: bool) -> None:
+        """Re-rank after a copy of `node` left a tier (eviction or a reported loss).
+
+        The node's units changed; its parent may have become a tier leaf. A vanished checkpoint only
+        raises its neighbours' costs (module docstring), and the node may fold into its child."""
+        self.touch(node)
+        if checkpoint_gone:
+            self.maybe_merge(node)
+        else:
+            self.touch(node.parent)
+
+    def _evict_copy(self, node: Node, kind: ItemKind, tier: Tier, now_s: float) -> str:
+        """Remove `node`'s `kind` copy from `tier`: "shed" (other copies remain), "demote", "drop",
+        or "stuck" (interior KV with no room below: I3 forbids dropping it)."""
+        book = self.book
+        if book.mask(node, kind) & ~(1 << tier):
+            book.drop(node, kind, tier)
+            return "shed"
+        size = book.size(node, kind)
+        for lower in self.plan.lower_tiers(tier):
+            if self.make_room(book.pool(lower, kind), size, now_s):
+                book.move(node, kind, tier, lower)
+                return "demote"
+        if kind is ItemKind.KV:
+            return "stuck" if node.children else "drop"  # a leaf's KV goes with remove_node
+        book.drop(node, kind, tier)
+        self.state.on_state_gone(node, now_s)
+        return "drop"
+
+    # --- removing nodes ----------------------------------------------------------------------------
+
+    def remove_node(self, node: Node, now_s: float, merge: bool = True) -> None:
+        """Drop a leaf's KV and every copy of its checkpoint (the terminal bundle), then unlink it."""
+        had_checkpoint = bool(node.ckpt_mask)
+        self.book.drop_all(node)
+        if had_checkpoint:
+            self.state.on_state_gone(node, now_s)
+        parent = node.parent
+        self.tree.remove_leaf(node)
+        if parent.parent is not None:
+            self.touch(parent)  # may be a tier leaf now: a new unit
+            if not parent.ckpt_mask:
+                self._rerank_checkpoint_above(parent)
+            if merge:
+                self.maybe_merge(parent)
+
+    def remove_subtree(self, node: Node, now_s: float) -> None:
+        """Remove `node` and everything below it (none of it may be pinned)."""
+        stack, order = [node], []
+        while stack:
+            n = stack.pop()
+            if n.lock_count:
+                raise HiStateError(f"report_lost: {n} is pinned by an open request; abort it first")
+            order.append(n)
+            stack.extend(n.children.values())
+        parent = node.parent
+        for n in reversed(order):  # leaves first, so every removal is of a leaf; merge once at the end
+            self.remove_node(n, now_s, merge=False)
+        if parent.parent is not None:
+            self.maybe_merge(parent)
+
+    def maybe_merge(self, node: Node) -> None:
+        """Fold a checkpoint-less node with one child into that child (keeps the tree compact)."""
+        if (node.parent is None or not node.is_alive or node.ckpt_mask or len(node.children) != 1
+                or node.lock_count):
+            return
+        (child,) = node.children.values()
+        if child.lock_count or child.kv_mask != node.kv_mask:
+            return
+        merged = self.tree.merge_into_child(node)
+        self.touch(merged)
+
+    def live_units(self) -> set:
+        """(id(node), unit, tier index) with a live heap entry (invariant I7)."""
+        live = set()
+        for heap in self.heaps.values():
+            live |= heap.live_units()
+        return live

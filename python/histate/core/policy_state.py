@@ -1,0 +1,130 @@
+"""Per-cache policy state: the statistics a policy learns online and the rules that use them.
+
+One `PolicyState` per cache, whoever owns the tree: `HybridPrefixCache` (the simulator and the
+reference executor) and the SGLang plugin's adapter both hold one, so refresh-on-hit, the terminal-hit
+EMA, the residence-time samples behind eq. 4, checkpoint admission and eq. 7 scoring are written once.
+Nodes are read and stamped through the core node shape (docs/core-api.md: `kv_access_s`,
+`ckpt_access_s`, `ckpt_mask`, `depth_pages`, `kv_created_s`, `ckpt_created_s`, ...); time is whatever
+monotone clock the executor passes in (simulated time, or a logical clock agreed by every rank).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .config import NEAR_END_WINDOW_PAGES, CacheConfig
+from .interval import Ema, IntervalController
+from .policies import AdmissionContext, Policy
+from .scoring import ScoringContext
+from .types import UnitKind
+from .units import expected_recompute_tokens, last_access_s, reclaim_tokens
+
+
+class PolicyState:
+    def __init__(self, policy: Policy, config: CacheConfig):
+        self.policy = policy
+        self.config = config
+        self.controller = IntervalController(
+            config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
+            config.ema_alpha)
+        self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
+        # The learned reuse-position prior: P(an interior hit lands k pages before its trajectory's end)
+        # for k = 1..window, from observed hits; policies that keep the paper's uniform prior ignore it.
+        self.learns_near_end = getattr(policy, "learns_reuse_positions", False)
+        self.near_end_hits = [Ema(config.ema_alpha, 0.0) for _ in range(NEAR_END_WINDOW_PAGES)]
+        self._ctx = self._context()
+
+    # --- scoring (eq. 7) ---------------------------------------------------------------------------
+
+    @property
+    def terminal_prob(self) -> float:
+        return self.terminal_hits.value
+
+    @property
+    def scoring(self) -> ScoringContext:
+        """The context scores are computed with; changes only when the terminal-hit EMA moves."""
+        return self._ctx
+
+    def score(self, node, unit: UnitKind, bit: int) -> float:
+        return self.policy.score(self._ctx, node, unit, bit)
+
+    def score_terms(self, node, unit: UnitKind, bit: int) -> tuple:
+        """(t_last_s, C_tokens, M_tokens, score) of eq. 7 for a unit, C and M as HiState defines them
+        whatever the policy (diagnosis: what the unit was worth when it was chosen)."""
+        ctx = self._ctx
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit), cost, reclaim, self.score(node, unit, bit)
+
+    @staticmethod
+    def bound(node, unit: UnitKind, bit: int) -> float:
+        """A lower bound of every policy's score (victims.py pushes entries with it)."""
+        return last_access_s(node, unit, bit)
+
+    # --- what a hit teaches ------------------------------------------------------------------------
+
+    @property
+    def near_end_probs(self) -> tuple:
+        """p'_k for k = 1..window (empty for policies with the paper's uniform interior prior)."""
+        return self._ctx.near_end_probs
+
+    def _context(self) -> ScoringContext:
+        probs = tuple(e.value for e in self.near_end_hits) if self.learns_near_end else ()
+        return ScoringContext.of(self.config, self.terminal_hits.value, probs)
+
+    def observe_match(self, num_kv_pages: int, end_offset_pages) -> None:
+        """A request matched: update q (the share of hits that land at a trajectory's end, judged by
+        where the request leaves the cached tree) and the near-end share of the interior hits."""
+        if num_kv_pages <= 0:
+            return
+        terminal = end_offset_pages == 0
+        self.terminal_hits.observe(1.0 if terminal else 0.0)
+        if not terminal and self.learns_near_end:
+            for k, ema in enumerate(self.near_end_hits, start=1):
+                ema.observe(1.0 if end_offset_pages == k else 0.0)
+        self._ctx = self._context()
+
+    def refresh(self, kv_path: Sequence, ckpt_path: Sequence, ckpt_node, now_s: float) -> None:
+        """Refresh on a hit: KV along the matched path (`kv_path`), the used checkpoint, and for
+        refresh-all policies every checkpoint above it on the path (`ckpt_path`, root first; paper
+        §3.3: eq. 7's cost term still sparsifies them)."""
+        for node in kv_path:
+            node.kv_access_s = now_s
+        if ckpt_node is None:
+            return
+        ckpt_node.ckpt_access_s = now_s
+        if self.policy.refresh_all:
+            depth = ckpt_node.depth_pages
+            for node in ckpt_path:
+                if node.ckpt_mask and node.depth_pages < depth:
+                    node.ckpt_access_s = now_s
+
+    # --- admission (eq. 3-6) -----------------------------------------------------------------------
+
+    def plan(self, start_pages: int, kv_match_pages: int, end_pages: int, now_s: float) -> list[int]:
+        """Checkpoint depths (pages) for a request's new segment (start, end]."""
+        if self.policy.dense_checkpoints:
+            return []
+        ctx = AdmissionContext(start_pages, kv_match_pages, end_pages, self.controller, self.config, now_s,
+                               self._ctx.near_end_probs)
+        return self.policy.admit(ctx)
+
+    # --- residence samples (T_KV, T_state of eq. 4) ------------------------------------------------
+
+    def on_kv_left_gpu(self, node, now_s: float) -> None:
+        """A bundle's KV left the GPU: one sample of T_KV (its stay there)."""
+        self.controller.kv_residence_s.observe(max(0.0, now_s - node.kv_created_s))
+
+    def on_state_gone(self, node, now_s: float) -> None:
+        """A checkpoint lost its last copy: one sample of T_state."""
+        self.controller.state_residence_s.observe(max(0.0, now_s - node.ckpt_created_s))
+
+    def on_state_residence(self, residence_s: float) -> None:
+        """A T_state sample measured by a store (the SSD tier reports the age of what it evicts)."""
+        self.controller.state_residence_s.observe(max(0.0, residence_s))
+
+    def on_state_written(self, now_s: float) -> None:
+        """A checkpoint reached its home tier (starts the censored T_state estimate)."""
+        self.controller.note_state_written(now_s)
+
+    def pressure_ratio(self, now_s: Optional[float] = None) -> float:
+        return self.controller.pressure_ratio(now_s)

@@ -1,0 +1,105 @@
+"""Victim selection: a lazy min-heap of eviction units per pool, shared by every executor.
+
+Why lazy: eq. 7 scores depend on the tree around a unit (the gap to the previous checkpoint, the span
+below it) and on access times that change on every hit. Re-scoring every affected unit on every change
+would cost a walk per hit. Instead a unit is pushed with a *lower bound* of its score (its last access
+time: every policy's score is t_last + a non-negative term, `Policy.score` contract) and is scored only
+when it reaches the top; an entry whose true score is higher goes back at its true rank. A change that
+can *lower* a score (a new checkpoint nearby, a new unit, a structural change) must re-offer the node
+(`reoffer`), which invalidates its old entries by bumping `node.version`.
+
+Node protocol (the core's `tree.Node`, or an executor's adapter such as the SGLang plugin's):
+  version: int       bumped by `reoffer`; entries carrying an older version are stale
+  is_alive: bool     False once the node left its tree (its entries are stale)
+  is_parked: bool    set when the top entry could not be evicted (pinned); the executor re-offers
+                     the node when the pin goes (I7: nothing escapes eviction for good)
+"""
+from __future__ import annotations
+
+import heapq
+from itertools import count
+from typing import Callable, Iterable, Optional
+
+from .types import UnitKind
+
+Rank = Callable[[object, UnitKind, int], Optional[float]]
+"""rank(node, unit, tier_index) -> current score, or None when the unit cannot be evicted now."""
+
+Accept = Callable[[object, UnitKind, int], bool]
+"""accept(node, unit, tier_index) -> whether this walk can use the unit (others stay on the heap)."""
+
+_EPS = 1e-9
+_SEQ = count()  # tie-breaker shared by every heap: entries never compare nodes
+
+
+class VictimHeap:
+    """The candidates of one pool (a tier, or a (tier, kind) pair under a static split)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list = []  # (score lower bound, seq, node, unit, tier index, node version)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def push(self, node, unit: UnitKind, tier_index: int, bound: float) -> None:
+        heapq.heappush(self.entries, (bound, next(_SEQ), node, unit, tier_index, node.version))
+
+    def pop_lowest(self, rank: Rank, accept: Optional[Accept] = None) -> Optional[tuple]:
+        """Remove and return (node, unit, tier index, score) of the lowest-ranked evictable unit.
+
+        Stale entries are dropped; entries `rank` refuses (pinned) are dropped and their node parked;
+        entries `accept` refuses are set aside and put back, so another walk can still take them.
+        """
+        entries = self.entries
+        skipped = []
+        chosen = None
+        rescored_seq = -1  # the entry just put back at its true score: still on top means it is the minimum
+        while entries:
+            bound, seq, node, unit, t, version = entries[0]
+            if not node.is_alive or node.version != version:
+                heapq.heappop(entries)
+                continue
+            if seq == rescored_seq:
+                heapq.heappop(entries)
+                chosen = (node, unit, t, bound)
+                break
+            if accept is not None and not accept(node, unit, t):
+                skipped.append(heapq.heappop(entries))
+                continue
+            score = rank(node, unit, t)
+            if score is None:
+                heapq.heappop(entries)
+                node.is_parked = True
+                continue
+            if score > bound + _EPS:  # refreshed since pushed: back at its true rank
+                rescored_seq = next(_SEQ)
+                heapq.heapreplace(entries, (score, rescored_seq, node, unit, t, version))
+                continue
+            heapq.heappop(entries)
+            chosen = (node, unit, t, score)
+            break
+        for entry in skipped:
+            heapq.heappush(entries, entry)
+        return chosen
+
+    def live_units(self) -> set:
+        """(id(node), unit, tier index) of every entry that is not stale (for invariant checks)."""
+        return {(id(e[2]), e[3], e[4]) for e in self.entries if e[2].is_alive and e[2].version == e[5]}
+
+    def compact(self) -> None:
+        """Drop stale entries in place (callers alias the list); live ones keep their place and score."""
+        self.entries[:] = [e for e in self.entries if e[2].is_alive and e[2].version == e[5]]
+        heapq.heapify(self.entries)
+
+
+def reoffer(node, units: Iterable[tuple], heap_for: Callable[[UnitKind, int], VictimHeap],
+            bound: Callable[[object, UnitKind, int], float]) -> None:
+    """Invalidate `node`'s entries and push its current units with a lower bound of their score."""
+    node.version += 1
+    node.is_parked = False
+    if not node.is_alive:
+        return
+    for unit, t in units:
+        heap_for(unit, t).push(node, unit, t, bound(node, unit, 1 << t))
