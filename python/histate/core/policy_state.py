@@ -15,14 +15,25 @@ from .config import NEAR_END_WINDOW_PAGES, CacheConfig
 from .interval import Ema, IntervalController
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
-from .types import UnitKind
-from .units import expected_recompute_tokens, last_access_s, reclaim_tokens
+from .types import ConfigError, UnitKind
+from .units import end_offset_pages, expected_recompute_tokens, last_access_s, reclaim_tokens
 
 
 class PolicyState:
-    def __init__(self, policy: Policy, config: CacheConfig):
+    """`node_unit_tokens`: tokens per unit of the scored nodes' `keys` / `depth_pages`. Default: the
+    config's page (the core's page tree). An executor whose tree is token-granular (SGLang's) passes 1:
+    it scores its nodes in tokens while admission (`plan`) and the near-end prior stay in config pages
+    (the checkpoint grid), so one PolicyState serves both."""
+
+    def __init__(self, policy: Policy, config: CacheConfig, node_unit_tokens: Optional[int] = None):
         self.policy = policy
         self.config = config
+        unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
+        if unit <= 0 or config.page_num_tokens % unit:
+            raise ConfigError(f"PolicyState.node_unit_tokens: {unit} does not divide the page "
+                              f"({config.page_num_tokens} tokens)")
+        self.node_unit_tokens = unit
+        self.near_end_stride = config.page_num_tokens // unit  # node units per page
         self.controller = IntervalController(
             config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
             config.ema_alpha)
@@ -51,7 +62,8 @@ class PolicyState:
         """(t_last_s, C_tokens, M_tokens, score) of eq. 7 for a unit, C and M as HiState defines them
         whatever the policy (diagnosis: what the unit was worth when it was chosen)."""
         ctx = self._ctx
-        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs,
+                                         ctx.near_end_stride)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
         return last_access_s(node, unit, bit), cost, reclaim, self.score(node, unit, bit)
 
@@ -69,7 +81,19 @@ class PolicyState:
 
     def _context(self) -> ScoringContext:
         probs = tuple(e.value for e in self.near_end_hits) if self.learns_near_end else ()
-        return ScoringContext.of(self.config, self.terminal_hits.value, probs)
+        return ScoringContext.of(self.config, self.terminal_hits.value, probs, self.node_unit_tokens)
+
+    def end_offset(self, node, match_units: int) -> Optional[int]:
+        """Where a request left the cached tree, in pages before the end of the most recently used
+        trajectory below `node` (the evidence `observe_match` learns from); `match_units` is the matched
+        length in node units and `node` the node it ends in. None beyond the near-end window."""
+        stride = self.near_end_stride
+        window = NEAR_END_WINDOW_PAGES
+        offset = end_offset_pages(node, match_units, (window + 1) * stride - 1 if stride > 1 else window)
+        if offset is None:
+            return None
+        pages = (match_units + offset) // stride - match_units // stride
+        return pages if pages <= window else None
 
     def observe_match(self, num_kv_pages: int, end_offset_pages) -> None:
         """A request matched: update q (the share of hits that land at a trajectory's end, judged by

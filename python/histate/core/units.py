@@ -93,11 +93,13 @@ def _kv_access(node) -> float:
     return node.kv_access_s
 
 
-def served_near_end_mass(node: Node, near_end_probs: tuple) -> float:
-    """Sum of p'_k over the near-end positions (T - k for the trajectory ends T below) that a checkpoint
-    at the end of `node` serves: those between it and the next checkpoint below on the way to T."""
+def served_near_end_mass(node: Node, near_end_probs: tuple, stride: int = 1) -> float:
+    """Sum of p'_k over the near-end positions P_k = (T // stride - k) * stride of the trajectory ends T
+    below (k pages before T; `stride` node units per page) that a checkpoint at the end of `node`
+    serves: those between it and the next checkpoint below on the way to T."""
     window = len(near_end_probs)
     base = node.depth_pages
+    reach = (window + 1) * stride - 1  # a subtree starting this far past `stop` has no P_k below it
     mass = 0.0
     stack = [(child, None) for child in node.children.values()]
     while stack:
@@ -105,19 +107,21 @@ def served_near_end_mass(node: Node, near_end_probs: tuple) -> float:
         if stop is None and n.ckpt_mask and n.children:
             stop = n.depth_pages  # hits at or below here resume from that checkpoint instead
         if n.children:
-            if stop is None or n.depth_pages - len(n.keys) < stop + window:
+            if stop is None or n.depth_pages - len(n.keys) < stop + reach:
                 stack.extend((c, stop) for c in n.children.values())
             continue
-        end = n.depth_pages
-        first = 1 if stop is None else end - stop + 1  # T - k < stop  <=>  k > T - stop
-        last = min(window, end - base)
-        for k in range(max(1, first), last + 1):
-            mass += near_end_probs[k - 1]
+        top = n.depth_pages // stride
+        for k in range(1, window + 1):
+            position = (top - k) * stride
+            if position < base:
+                break
+            if stop is None or position < stop:
+                mass += near_end_probs[k - 1]
     return mass
 
 
 def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, page_num_tokens: int,
-                              near_end_probs: tuple = ()) -> float:
+                              near_end_probs: tuple = (), near_end_stride: int = 1) -> float:
     """C_x of eq. 7: extra tokens recomputed, in expectation, if unit x disappears."""
     gap_pages = node.depth_pages - prev_checkpoint_depth(node)
     if unit is UnitKind.BUNDLE:
@@ -131,7 +135,7 @@ def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, 
     uniform = 1.0 - sum(near_end_probs)
     share = uniform * span_pages / trajectory_pages
     if near_end_probs:
-        share += served_near_end_mass(node, near_end_probs)
+        share += served_near_end_mass(node, near_end_probs, near_end_stride)
     return (1.0 - terminal_prob) * gap_pages * share * page_num_tokens
 
 

@@ -32,7 +32,8 @@ class HiState(Policy):
         return positions
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
-        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs,
+                                         ctx.near_end_stride)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
         return last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
 
