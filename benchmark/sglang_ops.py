@@ -118,7 +118,7 @@ def run_once(args, mode: str) -> dict:
     evictions = histate_cache.histate.metrics.totals
     return {"mode": mode, "requests": len(requests), "cost_ns": cost_ns, "ops": ops, "reused": reused,
             "input_tokens": input_tokens,
-            "histate_evictions": (evictions[("evictions_total", "checkpoint")], evictions[("evictions_total", "bundle")])}
+            "histate_evictions": (evictions[("evictions_total", "checkpoint", "device")], evictions[("evictions_total", "bundle", "device")])}
 
 
 def _pct(values, q):

@@ -48,10 +48,10 @@ def test_sglang_cache_matches_core_reuse_per_request(sglang_plugins):
     driver = Driver(cache, pools)
     runtime = cache.histate
     core = HybridPrefixCache(
-        CacheConfig(page_num_tokens=PAGE, kv_bytes_per_token=runtime.scoring_config.kv_bytes_per_token,
-                    checkpoint_size_bytes=runtime.scoring_config.checkpoint_size_bytes,
+        CacheConfig(page_num_tokens=PAGE, kv_bytes_per_token=runtime.core_config.kv_bytes_per_token,
+                    checkpoint_size_bytes=runtime.core_config.checkpoint_size_bytes,
                     capacity_bytes={Tier.GPU: 1 << 40},
-                    supported_intervals_pages=runtime.controller.supported),
+                    supported_intervals_pages=runtime.core_config.supported_intervals_pages),
         make_policy("histate"))
 
     mismatches, reused_total, mutated_hits = [], 0, 0

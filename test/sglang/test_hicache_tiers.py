@@ -259,14 +259,14 @@ def test_metrics_are_exported_with_sglang_labels(sglang_plugins):
     metrics = HiStateMetrics({"tp_rank": "0", "pp_rank": "0"}, export=True, registry=registry)
     metrics.record_match(input_tokens=300, reused_tokens=256, tier="storage")
     metrics.record_match(input_tokens=100, reused_tokens=0, tier=None)
-    metrics.record_eviction("bundle")
+    metrics.record_eviction("bundle", 0)
     metrics.record_ssd_io(read_bytes=4096, written_bytes=8192)
     metrics.set_checkpoints("host", 7)
     text = generate_latest(registry).decode()
     for line in ('sglang:histate_prefix_hits_total{pp_rank="0",tier="storage",tp_rank="0"} 1.0',
                  'sglang:histate_reused_tokens_total{pp_rank="0",tp_rank="0"} 256.0',
                  'sglang:histate_input_tokens_total{pp_rank="0",tp_rank="0"} 400.0',
-                 'sglang:histate_evictions_total{pp_rank="0",tp_rank="0",unit="bundle"} 1.0',
+                 'sglang:histate_evictions_total{pp_rank="0",tier="device",tp_rank="0",unit="bundle"} 1.0',
                  'sglang:histate_ssd_read_bytes_total{pp_rank="0",tp_rank="0"} 4096.0',
                  'sglang:histate_ssd_written_bytes_total{pp_rank="0",tp_rank="0"} 8192.0',
                  'sglang:histate_checkpoints{pp_rank="0",tier="host",tp_rank="0"} 7.0'):

@@ -75,6 +75,29 @@ def last_access_s(node: Node, unit: UnitKind, bit: int) -> float:
     return node.kv_access_s
 
 
+def checkpoint_neighbours(node: Node):
+    """The nodes whose units a checkpoint appearing at `node` can make cheaper to lose (paper §3.3:
+    affected costs are updated without touching timestamps): `node`, its ancestors up to and including
+    the previous checkpoint (their span now stops at `node`), and its children (their gap now starts
+    at `node`). A victim heap re-offers them (victims.reoffer)."""
+    yield node
+    parent = node.parent
+    while parent.parent is not None:
+        yield parent
+        if parent.ckpt_mask:
+            break
+        parent = parent.parent
+    yield from node.children.values()
+
+
+def checkpoint_at_or_above(node: Node):
+    """The nearest node at or above `node` holding a checkpoint, or None. Its span, and with it its C,
+    shrinks when `node`'s subtree loses a leaf."""
+    while node.parent is not None and not node.ckpt_mask:
+        node = node.parent
+    return None if node.parent is None else node
+
+
 def end_offset_pages(node, match_pages: int, window_pages: int):
     """Pages from `match_pages` (a position inside `node`'s edge or at its end) to the end of the most
     recently used trajectory below it, or None when farther than `window_pages` (or no node)."""

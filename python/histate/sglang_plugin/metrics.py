@@ -10,7 +10,7 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_reused_tokens_total            tokens reused (DESIGN.md hit accounting: c)
   sglang:histate_input_tokens_total             tokens looked up (hit rate = reused / input)
   sglang:histate_checkpoints{tier}              checkpoints resident per tier (gauge)
-  sglang:histate_evictions_total{unit}          eviction decisions by unit: checkpoint | bundle
+  sglang:histate_evictions_total{unit,tier}     eviction decisions by unit (checkpoint | bundle) and tier
   sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
   sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
   sglang:histate_prefill_chunk_cuts_total{kind} chunk ends moved onto planned checkpoints
@@ -24,7 +24,9 @@ import threading
 from collections import Counter as _Tally
 from typing import Any, Mapping, Optional
 
-TIERS = ("device", "host", "storage")
+from histate.core import SGLANG_TIER_NAMES
+
+TIERS = tuple(SGLANG_TIER_NAMES.values())
 UNITS = ("checkpoint", "bundle")
 CUT_KINDS = ("floor", "split")
 
@@ -62,8 +64,9 @@ class HiStateMetrics:
                 ("tier",))
         counter("reused_tokens_total", "Tokens reused without recomputation (KV + a checkpoint).")
         counter("input_tokens_total", "Tokens looked up in the cache (denominator of the hit rate).")
-        counter("evictions_total", "Unified-eviction decisions by unit: intermediate checkpoint or "
-                "terminal bundle (last KV segment + terminal checkpoint).", ("unit",))
+        counter("evictions_total", "Unified-eviction decisions by unit (intermediate checkpoint or "
+                "terminal bundle: last KV segment + terminal checkpoint) and tier (device, host, storage).",
+                ("unit", "tier"))
         counter("ssd_read_bytes_total", "Bytes read from HiState's SSD tier.")
         counter("ssd_written_bytes_total", "Bytes written to HiState's SSD tier.")
         counter("prefill_chunk_cuts_total", "Chunked-prefill chunk ends moved onto planned "
@@ -86,8 +89,8 @@ class HiStateMetrics:
             self._inc("reused_tokens_total", reused_tokens)
             self._inc("prefix_hits_total", 1, tier=tier)
 
-    def record_eviction(self, unit: str) -> None:
-        self._inc("evictions_total", 1, unit=unit)
+    def record_eviction(self, unit: str, tier: int) -> None:
+        self._inc("evictions_total", 1, unit=unit, tier=SGLANG_TIER_NAMES[tier])
 
     def record_ssd_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
         if read_bytes:

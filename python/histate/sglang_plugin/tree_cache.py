@@ -3,9 +3,10 @@
 `histate_cache_factory` is the radix-cache backend "histate" (`register_radix_cache_backend`,
 selected by `--radix-cache-backend histate`, which `--enable-histate` sets). It keeps SGLang's
 construction path (`create_unified_radix_cache`: component setup, HiCache attach) and swaps in:
-  * `HiStateRadixCache` -- the cache class: a `HiStateRuntime` (runtime.py), the tree core
-    "histate" (tree_core.py), the FULL/MAMBA component overrides (components.py), and a match
-    that refreshes per HiState's policy and restores SSD-only checkpoints to the device;
+  * `HiStateRadixCache` -- the cache class: a `HiStateRuntime` (runtime.py: the core's PolicyState
+    and victim heaps over SGLang's nodes), the tree core "histate" (tree_core.py), the FULL/MAMBA
+    component overrides (components.py), a match that refreshes and learns per HiState's policy, the
+    agreed clock (clock.py) and the SSD tier (ssd_tier.py);
   * HiState's host sizing (host_stack.py) for the HiCache host pools it attaches.
 The cache's observable contract (match/insert/evict/lock, `sanity_check`) is SGLang's.
 """
@@ -14,20 +15,24 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from histate.core import SGLANG_TIER_NAMES, Tier
+
 from .components import HiStateFullComponent, HiStateMambaComponent
+from .core_nodes import core_of
 from .config import HiStateConfig, HiStateConfigError, resolve_config
 from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics
+from .clock import AgreedClock
 from .runtime import HiStateRuntime
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import register_tree_core
 
 logger = logging.getLogger(__name__)
+
 
 def kv_bytes_per_token(kvcache: Any) -> int:
     """Device KV bytes of one token over every full-attention layer."""
@@ -57,20 +62,22 @@ class HiStateRadixCache(UnifiedRadixCache):
         if metrics is None:
             metrics = (shared_metrics(radix_cache_labels(type(self).__name__), export=True)
                        if params.enable_metrics else HiStateMetrics())
-        runtime_kwargs = {} if clock is None else {"clock": clock}
+        self.agreed_clock = AgreedClock() if clock is None else None
         self.histate = HiStateRuntime(
             config, grid_tokens=mamba_checkpoint_grid(params.page_size),
             kv_bytes_per_token=kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache()),
             checkpoint_bytes=mamba_slot_bytes(params.req_to_token_pool.mamba_pool),
-            policy=policy, metrics=metrics, **runtime_kwargs)
+            clock=clock or self.agreed_clock, policy=policy, metrics=metrics)
+        self._hs_agreeing = False
         super().__init__(params)
-        self.tree_core.histate_ranker = self.histate.ranker
-        self.histate.ranker.tree_core = self.tree_core
+        self.tree_core.histate = self.histate
+        self.histate.victims.tree_core = self.tree_core
 
     # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
 
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
+        self.histate.victims.enable_tier(Tier.CPU)
         backend = getattr(self.cache_controller, "storage_backend", None)
         self.attach_ssd(getattr(backend, "_backend", backend))
 
@@ -82,31 +89,54 @@ class HiStateRadixCache(UnifiedRadixCache):
             return
         self.histate.ssd = backend
         backend.metrics = self.histate.metrics
-        backend.on_state_evicted = self.histate.on_ssd_state_evicted
-        backend.on_state_written = self.histate.on_ssd_state_written
+
+    # --- rank agreement: the clock rides on SGLang's per-step all-reduce ----------------------------
+
+    def _sync_hicache_ready_counts(self) -> Any:
+        self._hs_agreeing = True
+        try:
+            return super()._sync_hicache_ready_counts()
+        finally:
+            self._hs_agreeing = False
+
+    def _all_reduce(self, data: Any, tp_reduce_op: Any) -> None:
+        """SGLang's per-step MIN all-reduce of HiCache ready counts (clock.py) carries HiState's
+        samples too: one collective, the same on every rank."""
+        if not self._hs_agreeing or self.agreed_clock is None:
+            super()._all_reduce(data, tp_reduce_op)
+            return
+        import torch
+
+        self._hs_agreeing = False
+        extended = torch.cat([data, torch.tensor([self.agreed_clock.sample_ms()], dtype=data.dtype)])
+        super()._all_reduce(extended, tp_reduce_op)
+        data.copy_(extended[:-1])
+        self.agreed_clock.adopt(int(extended[-1]))
 
     # --- matching ----------------------------------------------------------------------------------
 
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
         if self.disable:
             return self.tree_core.empty_match_result
-        while True:  # ends: each pass either returns a usable node or rules one more node out
-            result = self.tree_core.match_prefix(params)
-            self._apply_cache_actions(result.cache_actions)
-            best = self.tree_core.node_by_id(result.best_match_node)
-            if self.histate.checkpoint_tier(best) != "storage":
-                break
-            if not self._restore_state_from_ssd(best):
-                best._hs_ssd_bad = True  # a fault is a miss, never a wrong result
-            # match again: the restored state now counts as a device hit (or the node no longer does)
+        result = self.tree_core.match_prefix(params)
+        self._apply_cache_actions(result.cache_actions)
         runtime = self.histate
         visited = result.last_visited_node_id
-        last = self.tree_core.node_by_id(visited) if visited is not None else best
-        runtime.refresh_on_match(best, last, runtime.now())
+        last = self.tree_core.node_by_id(visited if visited is not None else result.best_match_node)
+        runtime.on_match(last, result.full_kv_hit_length, params.req, len(params.key), runtime.now())
         if params.req is not None:
-            runtime.observe_request_match(params.req, best, result.full_kv_hit_length, len(params.key))
+            best = self.tree_core.node_by_id(result.best_match_node)
+            reused = core_of(best).depth_pages if best.parent is not None else 0
+            runtime.metrics.record_match(input_tokens=len(params.key), reused_tokens=reused,
+                                         tier=self._checkpoint_tier(best) if reused else None)
             self._update_checkpoint_gauges()
         return self._finalize_match_result(params, result)
+
+    @staticmethod
+    def _checkpoint_tier(node: Any) -> Optional[str]:
+        """SGLang's name of the fastest tier holding `node`'s checkpoint."""
+        mask = core_of(node).ckpt_mask
+        return SGLANG_TIER_NAMES[Tier((mask & -mask).bit_length() - 1)] if mask else None
 
     def _update_checkpoint_gauges(self) -> None:
         """Checkpoints resident per tier, from O(1) sources (ledger, host pool, SSD counter)."""
@@ -120,37 +150,6 @@ class HiStateRadixCache(UnifiedRadixCache):
             metrics.set_checkpoints("host", host_pool.size - host_pool.available_size())
         if self.histate.ssd is not None:
             metrics.set_checkpoints("storage", self.histate.ssd.num_states)
-
-    def _restore_state_from_ssd(self, node: Any) -> bool:
-        """Read `node`'s checkpoint from the SSD tier into a device state slot (one checkpoint:
-        S / B_ssd + S / B_h2d, whatever the context length). False on any miss or fault.
-
-        It goes to the device directly, not through the host pool: SGLang keeps a state on the
-        host only next to its node's host KV, which an SSD-only checkpoint need not have."""
-        pool = self.req_to_token_pool
-        slot = pool.mamba_allocator.alloc(1)
-        if slot is None:
-            lock = self.lock(node.id)  # making room must not evict the node being restored
-            try:
-                self.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
-            finally:
-                self.unlock(lock)
-            slot = pool.mamba_allocator.alloc(1)
-            if slot is None:
-                return False
-        slot = slot.view(-1)
-        physical = int(pool.translate_mamba_indices(slot)[0])
-        try:
-            restored = self.histate.ssd.read_state_to_device(node.hash_value[-1], pool.mamba_pool, physical)
-        except Exception:  # an unexpected I/O or copy failure is a miss too
-            logger.exception("HiState: restoring checkpoint %s from SSD failed", node.hash_value[-1])
-            restored = False
-        if not restored:
-            pool.mamba_allocator.free(slot)
-            return False
-        self.tree_core.set_component_device_value(node.id, ComponentType.MAMBA, slot.clone())
-        node._hs_ckpt_access_s = self.histate.now()
-        return True
 
     # --- adaptive interval control ------------------------------------------------------------------
 
