@@ -12,7 +12,7 @@ import itertools
 from histate.core import CacheConfig, HybridPrefixCache, Tier, make_policy
 from histate.sim.workloads import AgentWorkloadConfig, agent_workload
 
-from ._urc_fixtures import PAGE, Driver, ManualClock, build_cache, build_pools, publish_server_args
+from sglang_cpu.pools import PAGE, Driver, ManualClock, build_cache, build_pools, publish_server_args
 
 TRACE = AgentWorkloadConfig(
     num_sessions=5, num_turns=7, system_prompt_num_tokens=8 * PAGE, first_input_num_tokens=(20 * PAGE, 60 * PAGE),

@@ -14,7 +14,7 @@ from histate.sglang_plugin.config import HiStateConfigError
 from histate.sglang_plugin.core_nodes import core_of, has_device_state
 from histate.sglang_plugin.eviction import tier_units
 
-from ._urc_fixtures import PAGE, Driver, ManualClock, build_cache, build_pools, cache_params, key, publish_server_args
+from sglang_cpu.pools import PAGE, Driver, ManualClock, build_cache, build_pools, cache_params, key, publish_server_args
 
 
 @pytest.fixture

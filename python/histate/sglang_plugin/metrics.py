@@ -14,6 +14,7 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
   sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
   sglang:histate_prefill_chunk_cuts_total{kind} chunk ends moved onto planned checkpoints
+  sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
 
 Every value is also kept as a plain integer in `totals` (tests and benchmarks read these), so
 recording works identically with Prometheus off (`--enable-metrics` not given).
@@ -71,6 +72,8 @@ class HiStateMetrics:
         counter("ssd_written_bytes_total", "Bytes written to HiState's SSD tier.")
         counter("prefill_chunk_cuts_total", "Chunked-prefill chunk ends moved onto planned "
                 "checkpoint positions ('split' adds a forward pass, 'floor' does not).", ("kind",))
+        counter("ssd_restores_total", "Checkpoints restored from the SSD tier to a host slot; 'miss' when "
+                "any rank could not read its copy (the request then runs without it).", ("result",))
         self._prom["checkpoints"] = gauge_cls(
             name="sglang:histate_checkpoints", documentation="Checkpoints resident per tier.",
             labelnames=names + ["tier"], multiprocess_mode="mostrecent", registry=registry)
@@ -97,6 +100,9 @@ class HiStateMetrics:
             self._inc("ssd_read_bytes_total", read_bytes)
         if written_bytes:
             self._inc("ssd_written_bytes_total", written_bytes)
+
+    def record_restore(self, *, ok: bool) -> None:
+        self._inc("ssd_restores_total", 1, result="ok" if ok else "miss")
 
     def record_chunk_cut(self, kind: str) -> None:
         self._inc("prefill_chunk_cuts_total", 1, kind=kind)

@@ -40,7 +40,7 @@ class HiStateRuntime:
         self.state = PolicyState(policy if policy is not None else make_policy("histate"), self.core_config,
                                  node_unit_tokens=1)
         self.victims = TierVictims(self.state)
-        self.ssd: Any = None  # HiStateStorageBackend once the SSD tier is attached
+        self.ssd_tier: Any = None  # ssd_tier.SsdTier once an SSD backend is attached
 
     @property
     def policy(self) -> Any:
@@ -86,6 +86,8 @@ class HiStateRuntime:
     def on_node_removed(self, node: CoreNode) -> None:
         """SGLang unlinked `node` (eviction, or a tombstone chain it cleaned up)."""
         self.victims.on_removed(node)
+        if self.ssd_tier is not None:
+            self.ssd_tier.on_node_removed(node)
 
     # --- admission (eq. 3-6) -------------------------------------------------------------------------
 

@@ -54,7 +54,8 @@ def default_budget_bytes(dirs: list[str]) -> int:
     return int(sum(seen.values()) * FREE_SPACE_FRACTION)
 
 
-def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None) -> Any:
+def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None,
+               on_capacity_needed: Optional[Callable[[int], Any]] = None) -> Any:
     """A CheckpointStore from the `histate` section of the extra config."""
     from histate.storage import CheckpointStore, StoreConfig
 
@@ -63,7 +64,7 @@ def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None) 
         raise ValueError("HiState storage backend: extra config has no histate.ssd_dirs (--histate-ssd-dir)")
     budget = int(section.get("ssd_size_bytes") or 0) or default_budget_bytes(dirs)
     config = StoreConfig(dirs=dirs, capacity_bytes=budget, backend=section.get("io_backend", "auto"))
-    return CheckpointStore(config, on_evict=on_evict)
+    return CheckpointStore(config, on_evict=on_evict, on_capacity_needed=on_capacity_needed)
 
 
 class HiStateStorageBackend(HiCacheStorage):
@@ -81,9 +82,11 @@ class HiStateStorageBackend(HiCacheStorage):
             suffix += f"_cp{storage_config.attn_cp_rank}_{storage_config.attn_cp_size}"
         self.key_suffix = suffix
         self.metrics: Any = None  # HiStateMetrics, set by the tree cache once attached
-        self.on_state_evicted: Optional[Callable[[float], None]] = None  # T_state EMA feed
-        self.on_state_written: Optional[Callable[[], None]] = None  # first SSD checkpoint (censoring)
-        self.store = store if store is not None else open_store(section, on_evict=self._on_evict)
+        # The SSD tier's `pick_ssd_victims` (ssd_tier.py), set by the tree cache once attached. Victims
+        # come from HiState's ranking; until it is attached a put that does not fit fails.
+        self.pick_victims: Optional[Callable[[int], list]] = None
+        self.store = store if store is not None else open_store(section, on_evict=self._on_evict,
+                                                                on_capacity_needed=self._on_capacity_needed)
         self.registered_pools: dict = {}
         # Checkpoints on SSD (for the per-tier gauge); warm restarts start from the rebuilt index.
         self.num_states = sum(1 for k in self.store.keys() if not k.startswith(f"{KV_POOL}/")
@@ -94,13 +97,15 @@ class HiStateStorageBackend(HiCacheStorage):
     def store_key(self, pool: Any, page_hash: str) -> str:
         return f"{getattr(pool, 'value', pool)}/{page_hash}{self.key_suffix}"
 
+    def _on_capacity_needed(self, bytes_needed: int) -> list:
+        pick = self.pick_victims
+        return list(pick(bytes_needed)) if pick is not None else []
+
     def _on_evict(self, event: Any) -> None:
         if event.key.startswith(f"{KV_POOL}/") or not event.key.endswith(self.key_suffix):
             return
         if event.reason != "replaced":
             self.num_states -= 1
-        if self.on_state_evicted is not None:
-            self.on_state_evicted(event.residence_s)
 
     def _count_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
         if self.metrics is not None:
@@ -122,35 +127,6 @@ class HiStateStorageBackend(HiCacheStorage):
             return False
         host_pool.set_from_flat_data_page(host_index, page)
         self._count_io(read_bytes=page.numel() * page.element_size())
-        return True
-
-    def read_state_to_device(self, page_hash: str, mamba_pool: Any, physical_slot: int,
-                             pool: Any = "mamba") -> bool:
-        """Copy one stored checkpoint straight into device state slot `physical_slot`.
-
-        The stored bytes are the MAMBA host pool's flat page (temporal, then each conv buffer,
-        then side states; every tensor layer-major), so they scatter onto the device buffers the
-        host pool mirrors, in the same order. False on any miss, fault or size mismatch.
-        """
-        from histate.storage import aligned_empty
-
-        (info,) = mamba_pool.get_device_pool_infos()
-        buffers = info.buffer_info
-        views = [buffers.temporal[:, physical_slot], *(c[:, physical_slot] for c in buffers.conv),
-                 *(b[physical_slot] for b in buffers.extra_checkpoint_buffers)]
-        sizes = [v.numel() * v.element_size() for v in views]
-        key = self.store_key(pool, page_hash)
-        if self.store.payload_bytes(key) != sum(sizes):
-            return False
-        page = torch.from_numpy(aligned_empty(sum(sizes)))
-        if not self.store.get(key, out=page).hit:
-            return False
-        offset = 0
-        for view, size in zip(views, sizes):
-            chunk = page[offset:offset + size].view(view.dtype).reshape(view.shape)
-            view.copy_(chunk)
-            offset += size
-        self._count_io(read_bytes=offset)
         return True
 
     # --- KV pages: the generic page path ---------------------------------------------------------
@@ -280,8 +256,6 @@ class HiStateStorageBackend(HiCacheStorage):
                 self._count_io(written_bytes=page.numel() * page.element_size())
                 if transfer.name != KV_POOL:
                     self.num_states += 1
-                    if self.on_state_written is not None:
-                        self.on_state_written()
         return flags
 
     # --- lifecycle -----------------------------------------------------------------------------------

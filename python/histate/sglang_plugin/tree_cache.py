@@ -82,13 +82,32 @@ class HiStateRadixCache(UnifiedRadixCache):
         self.attach_ssd(getattr(backend, "_backend", backend))
 
     def attach_ssd(self, backend: Any) -> None:
-        """Use `backend` (a HiStateStorageBackend) as the SSD tier of matches and metrics."""
+        """Use `backend` (a HiStateStorageBackend) as the SSD tier (ssd_tier.py)."""
+        from .ssd_tier import SsdTier
         from .storage_backend import HiStateStorageBackend
 
         if not isinstance(backend, HiStateStorageBackend):
             return
-        self.histate.ssd = backend
         backend.metrics = self.histate.metrics
+        self.histate.ssd_tier = SsdTier(self, backend)
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        """SGLang's runtime detach closes the backend: stop using it first (restores end, SSD bits go)."""
+        self._detach_ssd()
+        return super().detach_storage_backend()
+
+    def attach_storage_backend(self, *args: Any, **kwargs: Any) -> tuple[bool, str]:
+        self._detach_ssd()
+        ok, message = super().attach_storage_backend(*args, **kwargs)
+        if ok:
+            backend = getattr(self.cache_controller, "storage_backend", None)
+            self.attach_ssd(getattr(backend, "_backend", backend))
+        return ok, message
+
+    def _detach_ssd(self) -> None:
+        tier, self.histate.ssd_tier = self.histate.ssd_tier, None
+        if tier is not None:
+            tier.close()
 
     # --- rank agreement: the clock rides on SGLang's per-step all-reduce ----------------------------
 
@@ -101,17 +120,58 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     def _all_reduce(self, data: Any, tp_reduce_op: Any) -> None:
         """SGLang's per-step MIN all-reduce of HiCache ready counts (clock.py) carries HiState's
-        samples too: one collective, the same on every rank."""
+        samples too: the clock, and the negated SSD usage (MIN of negatives: the largest usage of any
+        rank, which SSD trimming decides on). One collective, the same on every rank."""
         if not self._hs_agreeing or self.agreed_clock is None:
             super()._all_reduce(data, tp_reduce_op)
             return
         import torch
 
         self._hs_agreeing = False
-        extended = torch.cat([data, torch.tensor([self.agreed_clock.sample_ms()], dtype=data.dtype)])
+        tier = self.histate.ssd_tier
+        samples = [self.agreed_clock.sample_ms(), -(tier.local_used_bytes() if tier is not None else 0)]
+        extended = torch.cat([data, torch.tensor(samples, dtype=data.dtype)])
         super()._all_reduce(extended, tp_reduce_op)
-        data.copy_(extended[:-1])
-        self.agreed_clock.adopt(int(extended[-1]))
+        data.copy_(extended[:-2])
+        self.agreed_clock.adopt(int(extended[-2]))
+        if tier is not None:
+            tier.adopt_agreed_usage(-int(extended[-1]))
+
+    # --- the SSD tier's agreed events and restores (ssd_tier.py) ---------------------------------------
+
+    def write_backup_storage(self, node_id: Any) -> None:
+        started = set(self.ongoing_backup)
+        super().write_backup_storage(node_id)
+        tier = self.histate.ssd_tier
+        if tier is not None:
+            for operation_id in set(self.ongoing_backup) - started:
+                tier.on_backup_started(operation_id, self.tree_core.node_by_id(node_id))
+
+    def _drain_storage_control_queues_impl(self, *args: Any, **kwargs: Any) -> None:
+        pending = set(self.ongoing_backup)
+        super()._drain_storage_control_queues_impl(*args, **kwargs)
+        tier = self.histate.ssd_tier
+        if tier is not None:
+            for operation_id in sorted(pending - set(self.ongoing_backup)):
+                tier.on_backup_acked(operation_id)
+
+    def check_hicache_events(self) -> None:
+        super().check_hicache_events()
+        tier = self.histate.ssd_tier
+        if tier is not None:
+            tier.trim()
+            tier.reap()
+
+    def check_prefetch_progress(self, request: Any) -> bool:
+        if not super().check_prefetch_progress(request):
+            return False
+        tier = self.histate.ssd_tier
+        return tier is None or tier.restore_ready(request)
+
+    def release_aborted_request(self, request: Any) -> None:
+        super().release_aborted_request(request)
+        if self.histate.ssd_tier is not None:
+            self.histate.ssd_tier.cancel(request)
 
     # --- matching ----------------------------------------------------------------------------------
 
@@ -123,7 +183,9 @@ class HiStateRadixCache(UnifiedRadixCache):
         runtime = self.histate
         visited = result.last_visited_node_id
         last = self.tree_core.node_by_id(visited if visited is not None else result.best_match_node)
-        runtime.on_match(last, result.full_kv_hit_length, params.req, len(params.key), runtime.now())
+        ckpt_node = runtime.on_match(last, result.full_kv_hit_length, params.req, len(params.key), runtime.now())
+        if params.req is not None and runtime.ssd_tier is not None and hasattr(params.req, "cache_request_handle"):
+            runtime.ssd_tier.note_match(params.req.cache_request_handle, ckpt_node)
         if params.req is not None:
             best = self.tree_core.node_by_id(result.best_match_node)
             reused = core_of(best).depth_pages if best.parent is not None else 0
@@ -148,8 +210,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         host_pool = self.host_pool_group.get_pool(PoolName.MAMBA) if self.host_pool_group else None
         if host_pool is not None:
             metrics.set_checkpoints("host", host_pool.size - host_pool.available_size())
-        if self.histate.ssd is not None:
-            metrics.set_checkpoints("storage", self.histate.ssd.num_states)
+        if self.histate.ssd_tier is not None:
+            metrics.set_checkpoints("storage", self.histate.ssd_tier.backend.num_states)
 
     # --- adaptive interval control ------------------------------------------------------------------
 

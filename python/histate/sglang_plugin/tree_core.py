@@ -39,6 +39,19 @@ class HiStateTreeCore(UnifiedTreeCore):
         if self.histate is not None:
             self.histate.victims.on_change(core_of(self.node_by_id(node_id)))
 
+    def attach_host_state(self, node: Any, host_slot: Any) -> None:
+        """A state restored from SSD becomes the node's host copy, placed as SGLang's own L3 prefetch
+        places one (`MambaComponent.commit_hicache_transfer` PREFETCH, components/mamba.py:1000-1004)."""
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        data = node.component_data[ComponentType.MAMBA]
+        data.host_value = host_slot.clone()
+        if data.value is None:
+            host_lru = self.host_lru_lists[ComponentType.MAMBA]
+            if not host_lru.in_list(node):
+                host_lru.insert_mru(node)
+        self._update_evictable_leaf_sets(node)
+
     def _unregister_node(self, node: Any) -> None:
         super()._unregister_node(node)
         if self.histate is not None:
