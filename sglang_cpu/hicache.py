@@ -16,7 +16,7 @@ import json
 from typing import Any, Iterator, Optional
 from unittest import mock
 
-from .pools import Pools, build_cache, cache_params, publish_server_args
+from .pools import Driver, Pools, build_cache, cache_params, publish_server_args
 
 HICACHE_ARGS = dict(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout="page_first",
                     hicache_io_backend="kernel", hicache_write_policy="write_through")
@@ -102,7 +102,7 @@ def _cpu_hicache() -> Iterator[None]:
 
 
 def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storage_extra: Optional[dict] = None,
-                  write_through_threshold: int = 1, **histate_kwargs: Any) -> Any:
+                  write_through_threshold: int = 1, hicache_ratio: float = 2.0, **histate_kwargs: Any) -> Any:
     """A `kind` cache ('histate' or 'stock') with SGLang's host tier attached, and with
     `storage_extra` (a `dynamic` backend extra config, e.g. HiState's) its storage tier too."""
     from histate.sglang_plugin.config import resolve_config
@@ -112,7 +112,7 @@ def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storag
         hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(storage_extra),
         hicache_storage_prefetch_policy="wait_complete")
     server_args = publish_server_args(page_size=pools.page_size, chunk_tokens=max(16, pools.page_size),
-                                      **HICACHE_ARGS, **storage)
+                                      **{**HICACHE_ARGS, "hicache_ratio": hicache_ratio}, **storage)
     if kind == "histate":
         histate_config = histate_config or resolve_config({"enable": True}, {})
         histate_kwargs["histate_config"] = histate_config
@@ -122,3 +122,69 @@ def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storag
         cache.init_hicache(server_args, cache_params(pools))
     cache.write_through_threshold = write_through_threshold
     return cache
+
+
+def drain_backups(cache: Any, timeout_s: float = 10.0) -> None:
+    """Scheduler steps until SGLang's host and storage backups are acknowledged (its backup thread
+    writes the storage tier)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    cache.check_hicache_events()
+    while cache.ongoing_backup or cache.ongoing_write_through:
+        if time.monotonic() > deadline:
+            raise TimeoutError("storage backups did not finish")
+        time.sleep(0.002)
+        cache.check_hicache_events()
+
+
+def request(rid: str, tokens: list) -> Any:
+    """A real SGLang `Req` for `tokens`."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
+               sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+
+
+class TieredDriver(Driver):
+    """`Driver` with the scheduler's tier steps around each request: the enqueue-time match, the
+    admission check that holds a request while its storage data is fetched (`check_prefetch_progress`,
+    scheduler.py:4240-4246), the admission match, load-back of host hits (schedule_policy.py:1517 and
+    the batch's `ready_to_load_host_cache`), and a scheduler step (`check_hicache_events`) after each
+    forward pass, which here waits until the backups it started are acknowledged."""
+
+    def admit(self, tokens: list) -> int:
+        """Bring `tokens`' reusable prefix to the device; returns its length."""
+        import time
+
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        self.num_requests += 1
+        req = request(f"t{self.num_requests}", tokens)
+        req.init_next_round_input(self.cache)  # enqueue (scheduler._prefetch_kvcache)
+        while not self.cache.check_prefetch_progress(req.cache_request_handle):
+            time.sleep(0.001)
+        req.init_next_round_input(self.cache)  # admission
+        if req.host_hit_length > 0 or req.mamba_host_hit_length > 0:
+            self.cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
+                                                         host_hit_length=req.host_hit_length, req=req))
+            self.cache.ready_to_load_host_cache()
+            self.cache.check_hicache_events()
+        if req.kv.holds_mamba:  # the request's own state slot: it never runs here
+            self.pools.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
+            req.kv.mamba_pool_idx = None
+        return self.match(tokens).device_prefix_len
+
+    def step(self) -> None:
+        """A scheduler step; it waits for SGLang's backup threads, so a replay is deterministic."""
+        drain_backups(self.cache)
+
+    def serve(self, tokens: list, checkpoints: Optional[list] = None, plan: Any = None,
+              state_fill: Any = None) -> Any:
+        self.admit(tokens)
+        outcome = super().serve(tokens, checkpoints, plan, state_fill)
+        self.step()
+        return outcome

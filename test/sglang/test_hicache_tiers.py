@@ -18,7 +18,7 @@ from histate.sglang_plugin.core_nodes import core_of
 from histate.sglang_plugin.host_stack import GB, histate_host_split, stock_host_split
 from histate.sglang_plugin.server_settings import storage_extra_config
 
-from sglang_cpu.hicache import build_hicache, state_slot_pairs
+from sglang_cpu.hicache import build_hicache, drain_backups, request
 from sglang_cpu.pools import PAGE, Driver, ManualClock, build_pools, key
 
 
@@ -156,16 +156,6 @@ def _ssd_cache(tmp_path, pools, clock):
                          clock=clock)
 
 
-def drain_backups(cache, timeout_s=10.0):
-    """Scheduler steps until SGLang's storage backups are acknowledged (its backup thread writes)."""
-    deadline = time.monotonic() + timeout_s
-    cache.check_hicache_events()
-    while cache.ongoing_backup or cache.ongoing_write_through:
-        assert time.monotonic() < deadline, "storage backups did not finish"
-        time.sleep(0.005)
-        cache.check_hicache_events()
-
-
 def _drop_state(cache, node, layer):
     """Remove one copy of `node`'s state with SGLang's own primitive (what a walk does)."""
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -184,13 +174,7 @@ def _state_bytes(tensors):
 
 
 def _request(tokens):
-    from array import array
-
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    return Req(rid=f"r{tokens[-1]}", origin_input_text="", origin_input_ids=array("q", tokens),
-               sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+    return request(f"r{tokens[-1]}", tokens)
 
 
 def _ssd_only_checkpoint(tmp_path, pools, clock):

@@ -99,15 +99,28 @@ class TierVictims:
             self.touch(node)
 
     def touch_checkpoint_neighbourhood(self, node: CoreNode) -> None:
+        """The core's re-offer after a new checkpoint (`checkpoint_neighbours`), where one core node may
+        be a chain of SGLang nodes: SGLang splits an edge wherever a match or an insert ends and never
+        merges, so below each child the chain of checkpoint-less single-child nodes (one node in the
+        core's merged tree) is re-offered too."""
         for neighbour in checkpoint_neighbours(node):
             self.touch(neighbour)
+            if neighbour.sg.parent is node.sg:
+                chain = neighbour
+                while not chain.ckpt_mask and len(chain.sg.children) == 1:
+                    (child,) = chain.sg.children.values()
+                    chain = core_of(child)
+                    self.touch(chain)
 
     def on_removed(self, node: CoreNode) -> None:
-        """SGLang unlinked `node`: its entries are stale; the checkpoint above it spans less now (the
-        core's deferred re-rank, applied at the end of the walk)."""
+        """SGLang unlinked `node`: its entries are stale; its parent may be a leaf now (the core's
+        `remove_node` re-offers it), and the checkpoint above it spans less (the core's deferred
+        re-rank, applied at the end of the walk)."""
         node.is_alive = False
         node.version += 1
         parent = node.sg.parent
+        if parent is not None and parent.parent is not None:
+            self.touch(core_of(parent))
         above = checkpoint_at_or_above(core_of(parent)) if parent is not None else None
         if above is not None:
             if self._walk_depth:

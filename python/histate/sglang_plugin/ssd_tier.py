@@ -113,19 +113,21 @@ class SsdTier:
             self._orphan(backup.page_hashes, backup.page_hashes if backup.with_state else ())
             return
         had_checkpoint = bool(node.ckpt_mask)
-        written = set(backup.page_hashes)
-        head = node
-        while head.sg.parent is not None and set(head.sg.hash_value or ()) <= written:
-            head.ssd_kv = True  # the node, and the heads split off it since the backup started
-            self.runtime.victims.touch(head)
-            head = head.parent
         if backup.with_state and node.sg.hash_value and node.sg.hash_value[-1] == backup.page_hashes[-1]:
             node.ssd_state = True
             self.runtime.state.on_state_written(self.runtime.now())
-            if not had_checkpoint:
-                self.runtime.victims.touch_checkpoint_neighbourhood(node)
-        if node.sg.parent is not None:
-            self.runtime.victims.touch(node.parent)
+        written = set(backup.page_hashes)
+        victims = self.runtime.victims
+        marked = []
+        head = node
+        while head.sg.parent is not None and head.sg.hash_value and set(head.sg.hash_value) <= written:
+            head.ssd_kv = True  # the node, and the heads split off it since the backup started
+            marked.append(head)
+            head = head.parent
+        if node.ckpt_mask and not had_checkpoint:
+            victims.touch_checkpoint_neighbourhood(node)
+        for changed in marked + ([head] if head.sg.parent is not None else []):
+            victims.touch(changed)  # new SSD units; `head` is no longer an SSD tier-leaf
 
     def on_node_removed(self, node: CoreNode) -> None:
         """SGLang deleted `node`: its SSD objects become orphans."""
@@ -145,7 +147,7 @@ class SsdTier:
     # --- SSD victims --------------------------------------------------------------------------------
 
     def local_used_bytes(self) -> int:
-        return self.backend.store.used_bytes()
+        return self.backend.store.used_bytes
 
     def adopt_agreed_usage(self, used_bytes: int) -> None:
         self.agreed_used_bytes = used_bytes

@@ -122,18 +122,19 @@ class HiStateRadixCache(UnifiedRadixCache):
         """SGLang's per-step MIN all-reduce of HiCache ready counts (clock.py) carries HiState's
         samples too: the clock, and the negated SSD usage (MIN of negatives: the largest usage of any
         rank, which SSD trimming decides on). One collective, the same on every rank."""
-        if not self._hs_agreeing or self.agreed_clock is None:
+        if not self._hs_agreeing:
             super()._all_reduce(data, tp_reduce_op)
             return
         import torch
 
         self._hs_agreeing = False
-        tier = self.histate.ssd_tier
-        samples = [self.agreed_clock.sample_ms(), -(tier.local_used_bytes() if tier is not None else 0)]
+        clock, tier = self.agreed_clock, self.histate.ssd_tier
+        samples = [clock.sample_ms() if clock is not None else 0, -(tier.local_used_bytes() if tier is not None else 0)]
         extended = torch.cat([data, torch.tensor(samples, dtype=data.dtype)])
         super()._all_reduce(extended, tp_reduce_op)
         data.copy_(extended[:-2])
-        self.agreed_clock.adopt(int(extended[-2]))
+        if clock is not None:
+            clock.adopt(int(extended[-2]))
         if tier is not None:
             tier.adopt_agreed_usage(-int(extended[-1]))
 
