@@ -13,6 +13,7 @@ The cache's observable contract (match/insert/evict/lock, `sanity_check`) is SGL
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Optional
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
@@ -48,7 +49,10 @@ class HiStateRadixCache(UnifiedRadixCache):
     """SGLang's unified radix cache making HiState's decisions (see module docstring)."""
 
     def __init__(self, params: Any, *, histate_config: Optional[HiStateConfig] = None, policy: Any = None,
-                 clock: Optional[Callable[[], float]] = None, metrics: Optional[HiStateMetrics] = None):
+                 clock: Optional[Callable[[], float]] = None, metrics: Optional[HiStateMetrics] = None,
+                 local_clock: Callable[[], float] = time.monotonic):
+        """`clock`: a logical clock for tests (no agreement); by default an `AgreedClock` over
+        `local_clock`, this rank's wall clock."""
         from sglang.srt.runtime_context import mamba_checkpoint_grid
 
         config = histate_config or current_build_config() or resolve_config({"enable": True}, {})
@@ -62,7 +66,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         if metrics is None:
             metrics = (shared_metrics(radix_cache_labels(type(self).__name__), export=True)
                        if params.enable_metrics else HiStateMetrics())
-        self.agreed_clock = AgreedClock() if clock is None else None
+        self.agreed_clock = AgreedClock(local_clock) if clock is None else None
         self.histate = HiStateRuntime(
             config, grid_tokens=mamba_checkpoint_grid(params.page_size),
             kv_bytes_per_token=kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache()),
