@@ -12,12 +12,12 @@ presets".
   states neither its context clip nor a gap rule, so both are calibrated on the dev traces to its
   numbers: 125 roots drawn from all roots (a root the clip empties takes its slot, as in a replayer
   that picks sessions from the dataset), a 110,000-token clip (10 seeds: 3,658 requests on average;
-  a 128,000 clip gives ~4,600 and the native context ~8,000), think/tool gaps capped at 120 s
-  (median simulated span 3.0 h, 0.36 requests/s against the paper's 0.35). A gap cap rather than a
+  a 128,000 clip gives ~4,500 and the native context ~7,700), think/tool gaps capped at 120 s
+  (median simulated span 3.05 h, 0.36 requests/s against the paper's 0.35). A gap cap rather than a
   time scale: it keeps every gap below 120 s as recorded (the reuse distance the policies are
   compared on) and only shortens the idle tail.
-* `paper-native`: the paper's sampling and gap cap at the model's native context (~8,000 requests,
-  the long-context pressure the paper preset clips away).
+* `paper-native`: the paper's sampling and gap cap at the model's native context (~7,700 requests,
+  with the long-context pressure the paper preset clips away).
 """
 from __future__ import annotations
 
