@@ -15,8 +15,9 @@ entry reaching the top is re-scored and pushed back if its true score is higher.
 from the tree core (every evictable-leaf-set update: insert, split, lock release, eviction) and
 from new checkpoints (whose neighbours' costs drop). No walk scans the tree.
 
-A node whose entry reaches the top while it is locked is set aside and re-offered at the first
-walk after its locks are gone. Lock release does not always reach us as a change: SGLang lowers
+A node met while a lock keeps it from being a unit (its entry at the top of a heap, or its touch
+flushed) is set aside and re-offered at the first walk after it forms a unit again. Lock
+release does not always reach us as a change: SGLang lowers
 `lock_ref` before it calls `_update_evictable_leaf_sets` (components/mamba.py:523-525,
 components/full.py:373-375), so an interior checkpoint looks evictable both before and after
 that call, and a scheduler admission pops it while it is locked (copy-on-write of the matched
@@ -58,7 +59,7 @@ class UnifiedEvictionRanker:
         self.bundles: list = []
         self.checkpoints: list = []
         self._dirty: dict[int, Any] = {}
-        self._locked: dict[int, Any] = {}  # popped while locked: re-offered once unlocked
+        self._locked: dict[int, Any] = {}  # met while locked: re-offered once they form a unit
         self._ctx: Optional[ScoringContext] = None
 
     # --- change notifications -------------------------------------------------------------------
