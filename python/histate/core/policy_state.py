@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .config import NEAR_END_WINDOW_PAGES, CacheConfig
-from .interval import Ema, IntervalController
+from .interval import Ema, IntervalController, TierFlow
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
-from .types import UnitKind
+from .types import Tier, UnitKind
 from .units import expected_recompute_tokens, last_access_s, reclaim_tokens
 
 
@@ -23,9 +23,11 @@ class PolicyState:
     def __init__(self, policy: Policy, config: CacheConfig):
         self.policy = policy
         self.config = config
+        home = policy.historical_tier if policy.historical_tier in config.capacity_bytes else Tier.GPU
+        self.kv_tier, self.state_home_tier = Tier.GPU, home
         self.controller = IntervalController(
             config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
-            config.ema_alpha)
+            config.ema_alpha, TierFlow(config.capacity_bytes[Tier.GPU]), TierFlow(config.capacity_bytes[home]))
         self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
         # The learned reuse-position prior: P(an interior hit lands k pages before its trajectory's end)
         # for k = 1..window, from observed hits; policies that keep the paper's uniform prior ignore it.
@@ -125,6 +127,14 @@ class PolicyState:
     def on_state_written(self, now_s: float) -> None:
         """A checkpoint reached its home tier (starts the censored T_state estimate)."""
         self.controller.note_state_written(now_s)
+
+    def on_bytes_in(self, tier: Tier, size_bytes: int, now_s: float) -> None:
+        """Bytes entered a tier (a put, a copy or a move): the insertion rates of Little's law."""
+        controller = self.controller
+        if tier == self.kv_tier:
+            controller.kv_flow.note(now_s, size_bytes)
+        if tier == self.state_home_tier:
+            controller.state_flow.note(now_s, size_bytes)
 
     def pressure_ratio(self, now_s: Optional[float] = None) -> float:
         return self.controller.pressure_ratio(now_s)
