@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / ".." / "shared" / "traces" / "cc-traces-weka-042026" / "traces.jsonl.gz"
-POLICIES = ("histate", "histate-uniform", "histate-align", "histate-fixed32", "histate-lru-disk", "vllm-marconi",
+POLICIES = ("histate", "histate-paper", "histate-align", "histate-fixed32", "histate-lru-disk", "vllm-marconi",
             "vllm-cpu", "vllm-disk", "sglang-hicache", "marconi", "unlimited")
 BASE = {"--max-sessions": "125", "--max-context": "262144", "--gpu-gib": "45", "--cpu-gib": "96",
         "--ssd-gib": "150", "--max-gap": "60"}

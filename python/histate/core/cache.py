@@ -51,8 +51,9 @@ class HybridPrefixCache:
                        if policy.partitioned else Ledger(capacity))
         self.tree = RadixTree()
         self.stats = CacheStats()
-        self.state = PolicyState(policy, config)
         plan = TierPlan(policy, self.ledger)
+        demotion = {t: (plan.lower_tiers(t)[0] if plan.lower_tiers(t) else None) for t in policy.tiers}
+        self.state = PolicyState(policy, config, demotion)
         self.book = ItemBook(config, self.ledger, self.stats, self._on_put, self._on_item_gone)
         self.evictor = Evictor(self.tree, self.book, self.state, plan)
         self.placement = Placement(self.book, self.evictor, plan)
