@@ -277,6 +277,16 @@ def load_time_s(size_bytes: float, tier: Optional[int], hw: HardwareSpec) -> flo
     raise ValueError(f"unknown tier {tier!r}")
 
 
+def restore_cost_tokens(model: "ModelSpec", hw: HardwareSpec, step_cost: "RooflineStepCost",
+                        reference_chunk_tokens: int = 8192, reference_context_tokens: int = 32768) -> dict:
+    """Per tier: restoring one token's KV from it (eq. 2) in units of recomputing one token (a
+    chunked-prefill step of `reference_chunk_tokens` on a `reference_context_tokens` context: a typical
+    step of an agent request). What eq. 7 charges a unit that is demoted instead of dropped
+    (histate.core CacheConfig.restore_cost_tokens). Qwen3.5-9B on an H100: CPU ~0.016, SSD ~0.2."""
+    per_token_s = step_cost.prefill_time_s(reference_chunk_tokens, reference_context_tokens) / reference_chunk_tokens
+    return {tier: load_time_s(model.kv_bytes_per_token, tier, hw) / per_token_s for tier in (CPU_TIER, SSD_TIER)}
+
+
 def restore_time_s(kv_bytes_by_tier: Mapping, checkpoint_size_bytes: int, checkpoint_tier: Optional[int],
                    hw: HardwareSpec) -> float:
     """Eq. 2 summed over the items of one hit: the KV of every tier plus one checkpoint (no overlap)."""

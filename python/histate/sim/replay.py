@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, Tier, make_cache
-from .costs import HardwareSpec, RooflineStepCost, get_hardware, get_model
+from .costs import HardwareSpec, RooflineStepCost, get_hardware, get_model, restore_cost_tokens
 from .engine import Engine, EngineConfig, EngineRequest, EventKind
 from .metrics import PolicyRun, RequestRecord
 from .request import Workload
@@ -86,12 +86,15 @@ class ReplayConfig:
 
     def cache_config(self, page_num_tokens: int) -> CacheConfig:
         model = get_model(self.model)
+        hw = self.resolved_hardware()
+        step_cost = self.step_cost or RooflineStepCost(model, hw)
+        restore = {Tier(t): c for t, c in restore_cost_tokens(model, hw, step_cost).items()}
         return CacheConfig(
             page_num_tokens=page_num_tokens, kv_bytes_per_token=model.kv_bytes_per_token,
             checkpoint_size_bytes=model.checkpoint_size_bytes,
             capacity_bytes={Tier.GPU: self.gpu_cache_bytes, Tier.CPU: self.cpu_cache_bytes,
                             Tier.SSD: self.ssd_cache_bytes},
-            tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages)
+            tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages, restore_cost_tokens=restore)
 
 
 @dataclass(slots=True)
