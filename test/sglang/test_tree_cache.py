@@ -340,3 +340,17 @@ def kit_match(cache, tokens) -> int:
     from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
 
     return match_prefix(cache, tokens).device_prefix_len
+
+
+@pytest.mark.parametrize("page_size, chunk_tokens", [(256, 256), (16, 256)], ids=["page-256", "mamba2-chunk-256"])
+def test_default_intervals_build_a_cache_on_a_256_token_state_grid(sglang_plugins, page_size, chunk_tokens):
+    """R4: with a 256-token state grid (`--page-size 256`, or a model whose state chunk is 256)
+    the default intervals (from 128 tokens) used to make cache construction raise, after the
+    weights load, blaming --histate-intervals, which the user never set. The default off the grid
+    is dropped now; the plan uses grid positions only."""
+    publish_server_args(page_size=page_size, chunk_tokens=chunk_tokens)
+    cache = build_cache("histate", build_pools(64 * 256, 8, page_size=page_size))
+    assert cache.histate.grid_tokens == 256
+    assert cache.histate.core_config.supported_intervals_pages == (1, 2, 4, 8, 16, 32, 64, 128)
+    plan = cache.plan_checkpoints(0, 4000)
+    assert plan and all(position % 256 == 0 for position in plan)

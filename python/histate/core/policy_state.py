@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .config import NEAR_END_WINDOW_PAGES, CacheConfig
-from .interval import Ema, IntervalController
+from .interval import Ema, IntervalController, TierFlow
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
-from .types import ConfigError, UnitKind
-from .units import end_offset_pages, expected_recompute_tokens, last_access_s, reclaim_tokens
+from .types import ALL_TIERS, ConfigError, Tier, UnitKind
+from .units import end_offset_pages, expected_cost_tokens, last_access_s, reclaim_tokens
 
 
 class PolicyState:
@@ -25,7 +25,10 @@ class PolicyState:
     it scores its nodes in tokens while admission (`plan`) and the near-end prior stay in config pages
     (the checkpoint grid), so one PolicyState serves both."""
 
-    def __init__(self, policy: Policy, config: CacheConfig, node_unit_tokens: Optional[int] = None):
+    def __init__(self, policy: Policy, config: CacheConfig, demotion_tier: Optional[dict] = None,
+                 node_unit_tokens: Optional[int] = None):
+        """`demotion_tier`: tier -> the tier a unit evicted from it moves to (None: dropped); with the
+        config's restore costs it lets eq. 7 charge a demotion its transfer (policies opt in)."""
         self.policy = policy
         self.config = config
         unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
@@ -34,14 +37,22 @@ class PolicyState:
                               f"({config.page_num_tokens} tokens)")
         self.node_unit_tokens = unit
         self.near_end_stride = config.page_num_tokens // unit  # node units per page
+        home = policy.historical_tier if policy.historical_tier in config.capacity_bytes else Tier.GPU
+        self.kv_tier, self.state_home_tier = Tier.GPU, home
         self.controller = IntervalController(
             config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
-            config.ema_alpha)
+            config.ema_alpha, *((TierFlow(config.capacity_bytes[Tier.GPU]), TierFlow(config.capacity_bytes[home]))
+                                if policy.estimates_residence_by_flow else (None, None)))
         self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
         # The learned reuse-position prior: P(an interior hit lands k pages before its trajectory's end)
         # for k = 1..window, from observed hits; policies that keep the paper's uniform prior ignore it.
         self.learns_near_end = getattr(policy, "learns_reuse_positions", False)
         self.near_end_hits = [Ema(config.ema_alpha, 0.0) for _ in range(NEAR_END_WINDOW_PAGES)]
+        self._restore_cost, self._demotion_tier = (), ()
+        if getattr(policy, "charges_demotions", False) and config.restore_cost_tokens and demotion_tier:
+            self._restore_cost = tuple(float(config.restore_cost_tokens.get(t, 0.0)) for t in ALL_TIERS)
+            self._demotion_tier = tuple(-1 if demotion_tier.get(t) is None else int(demotion_tier[t])
+                                        for t in ALL_TIERS)
         self._ctx = self._context()
 
     # --- scoring (eq. 7) ---------------------------------------------------------------------------
@@ -62,8 +73,7 @@ class PolicyState:
         """(t_last_s, C_tokens, M_tokens, score) of eq. 7 for a unit, C and M as HiState defines them
         whatever the policy (diagnosis: what the unit was worth when it was chosen)."""
         ctx = self._ctx
-        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs,
-                                         ctx.near_end_stride)
+        cost = expected_cost_tokens(node, unit, bit, ctx)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
         return last_access_s(node, unit, bit), cost, reclaim, self.score(node, unit, bit)
 
@@ -81,7 +91,8 @@ class PolicyState:
 
     def _context(self) -> ScoringContext:
         probs = tuple(e.value for e in self.near_end_hits) if self.learns_near_end else ()
-        return ScoringContext.of(self.config, self.terminal_hits.value, probs, self.node_unit_tokens)
+        return ScoringContext.of(self.config, self.terminal_hits.value, probs, self._restore_cost,
+                                 self._demotion_tier, self.node_unit_tokens)
 
     def end_offset(self, node, match_units: int) -> Optional[int]:
         """Where a request left the cached tree, in pages before the end of the most recently used
@@ -149,6 +160,16 @@ class PolicyState:
     def on_state_written(self, now_s: float) -> None:
         """A checkpoint reached its home tier (starts the censored T_state estimate)."""
         self.controller.note_state_written(now_s)
+
+    def on_bytes_in(self, tier: Tier, size_bytes: int, now_s: float) -> None:
+        """Bytes entered a tier (a put, a copy or a move): the insertion rates of Little's law."""
+        controller = self.controller
+        if controller.kv_flow is None:
+            return
+        if tier == self.kv_tier:
+            controller.kv_flow.note(now_s, size_bytes)
+        if tier == self.state_home_tier:
+            controller.state_flow.note(now_s, size_bytes)
 
     def pressure_ratio(self, now_s: Optional[float] = None) -> float:
         return self.controller.pressure_ratio(now_s)

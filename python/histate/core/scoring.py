@@ -22,15 +22,20 @@ class ScoringContext:
     near_end_probs: tuple = ()
     """p'_k, k = 1..window: P(an interior hit lands k pages before its trajectory's end), learned; the
     rest of the interior mass, 1 - sum(p'), is spread uniformly (the paper's p_t). Empty: uniform."""
+    restore_cost: tuple = ()
+    """Per tier index: recompute-tokens it costs to restore one token of KV from that tier (0 for the
+    GPU). Empty: every eviction is charged its recompute (the paper's C)."""
+    demotion_tier: tuple = ()
+    """Per tier index: the tier index a unit evicted from it moves to, or -1 when it is dropped."""
     near_end_stride: int = 1
     """Node units per page of the near-end prior: 1 when nodes count pages (the core's tree); the page
     in tokens when an executor's tree is token-granular (SGLang's), so p'_k still means k pages."""
 
     @classmethod
-    def of(cls, config, terminal_prob: float, near_end_probs: tuple = (),
-           node_unit_tokens: "int | None" = None) -> "ScoringContext":
+    def of(cls, config, terminal_prob: float, near_end_probs: tuple = (), restore_cost: tuple = (),
+           demotion_tier: tuple = (), node_unit_tokens: "int | None" = None) -> "ScoringContext":
         """The context for nodes whose `keys` / `depth_pages` count `node_unit_tokens` tokens each
         (default: the config's page, the core's own tree)."""
         unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
         return cls(config.tau_s, unit, config.checkpoint_token_equiv, terminal_prob, near_end_probs,
-                   config.page_num_tokens // unit)
+                   restore_cost, demotion_tier, config.page_num_tokens // unit)

@@ -135,10 +135,12 @@ class HiStateMambaComponent(_HiStateWalks, MambaComponent):
         core = core_of(node)
         if is_new_leaf:
             runtime.new_node(core, now_s)
+            runtime.bytes_in(Tier.GPU, len(node.key) * runtime.core_config.kv_bytes_per_token)
         if result.mamba_exist:
             core.ckpt_access_s = now_s  # the state was already there: a refresh (core _add_checkpoint)
         else:
             runtime.new_checkpoint(core, now_s)
+            runtime.bytes_in(Tier.GPU, runtime.core_config.checkpoint_size_bytes)
 
     def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
         """The split head inherits the KV stamps and KV tiers; the checkpoint stays at the tail's end

@@ -14,6 +14,7 @@ value from; in tests a logical clock.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Optional
 
@@ -27,24 +28,36 @@ from .metrics import HiStateMetrics
 
 class HiStateRuntime:
     def __init__(self, config: HiStateConfig, *, grid_tokens: int, kv_bytes_per_token: int,
-                 checkpoint_bytes: int, clock: Callable[[], float], policy: Any = None,
+                 checkpoint_bytes: int, device_bytes: int, clock: Callable[[], float], policy: Any = None,
                  metrics: Optional[HiStateMetrics] = None):
         self.config = config
         self.grid_tokens = grid_tokens
         self.clock = clock
         self.metrics = metrics if metrics is not None else HiStateMetrics()
+        self._policy = policy if policy is not None else make_policy("histate")
         self.core_config = CacheConfig(
             page_num_tokens=grid_tokens, kv_bytes_per_token=kv_bytes_per_token,
-            checkpoint_size_bytes=checkpoint_bytes, capacity_bytes={Tier.GPU: 1}, tau_s=config.tau_s,
+            checkpoint_size_bytes=checkpoint_bytes, capacity_bytes={Tier.GPU: device_bytes}, tau_s=config.tau_s,
             supported_intervals_pages=config.intervals_pages(grid_tokens))
-        self.state = PolicyState(policy if policy is not None else make_policy("histate"), self.core_config,
-                                 node_unit_tokens=1)
+        self.state = PolicyState(self._policy, self.core_config, node_unit_tokens=1)
         self.victims = TierVictims(self.state)
         self.ssd_tier: Any = None  # ssd_tier.SsdTier once an SSD backend is attached
 
+    def add_ssd_capacity(self, ssd_bytes: int) -> None:
+        """The SSD tier exists (attached while SGLang builds the cache, before any request): the home
+        tier of historical checkpoints, whose capacity Little's law needs (T_state before evictions)."""
+        self.core_config = dataclasses.replace(
+            self.core_config, capacity_bytes={**self.core_config.capacity_bytes, Tier.SSD: ssd_bytes})
+        self.state = self.victims.state = PolicyState(self._policy, self.core_config, node_unit_tokens=1)
+
+    def bytes_in(self, tier: Tier, size_bytes: int) -> None:
+        """Bytes entered a tier (an insert, a load-back, an acknowledged SSD backup): the insertion rates
+        of Little's law, as the core's ItemBook reports every put."""
+        self.state.on_bytes_in(tier, size_bytes, self.now())
+
     @property
     def policy(self) -> Any:
-        return self.state.policy
+        return self._policy
 
     def now(self) -> float:
         return self.clock()

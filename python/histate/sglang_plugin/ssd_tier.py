@@ -126,6 +126,8 @@ class SsdTier:
             head = head.parent
         if node.ckpt_mask and not had_checkpoint:
             victims.touch_checkpoint_neighbourhood(node)
+        self.runtime.bytes_in(Tier.SSD, len(backup.page_hashes) * self.cache.page_size * self.kv_bytes_per_token
+                              + (self.checkpoint_bytes if node.ssd_state else 0))
         for changed in marked + ([head] if head.sg.parent is not None else []):
             victims.touch(changed)  # new SSD units; `head` is no longer an SSD tier-leaf
 

@@ -45,6 +45,13 @@ def kv_bytes_per_token(kvcache: Any) -> int:
     return max(1, int(total) // int(rows))
 
 
+def device_bytes(params: Any, kv_bytes_per_token: int, state_bytes: int) -> int:
+    """Device bytes of the KV and state pools the tree caches into (the GPU capacity of Little's law)."""
+    kv_tokens = params.token_to_kv_pool_allocator.size
+    state_slots = params.req_to_token_pool.mamba_pool.size
+    return max(1, kv_tokens * kv_bytes_per_token + state_slots * state_bytes)
+
+
 class HiStateRadixCache(UnifiedRadixCache):
     """SGLang's unified radix cache making HiState's decisions (see module docstring)."""
 
@@ -67,10 +74,11 @@ class HiStateRadixCache(UnifiedRadixCache):
             metrics = (shared_metrics(radix_cache_labels(type(self).__name__), export=True)
                        if params.enable_metrics else HiStateMetrics())
         self.agreed_clock = AgreedClock(local_clock) if clock is None else None
+        kv_bytes = kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache())
+        state_bytes = mamba_slot_bytes(params.req_to_token_pool.mamba_pool)
         self.histate = HiStateRuntime(
-            config, grid_tokens=mamba_checkpoint_grid(params.page_size),
-            kv_bytes_per_token=kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache()),
-            checkpoint_bytes=mamba_slot_bytes(params.req_to_token_pool.mamba_pool),
+            config, grid_tokens=mamba_checkpoint_grid(params.page_size), kv_bytes_per_token=kv_bytes,
+            checkpoint_bytes=state_bytes, device_bytes=device_bytes(params, kv_bytes, state_bytes),
             clock=clock or self.agreed_clock, policy=policy, metrics=metrics)
         self._hs_agreeing = False
         super().__init__(params)
@@ -93,6 +101,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         if not isinstance(backend, HiStateStorageBackend):
             return
         backend.metrics = self.histate.metrics
+        if Tier.SSD not in self.histate.core_config.capacity_bytes:
+            self.histate.add_ssd_capacity(backend.store.config.capacity_bytes)
         self.histate.ssd_tier = SsdTier(self, backend)
 
     def detach_storage_backend(self) -> tuple[bool, str]:

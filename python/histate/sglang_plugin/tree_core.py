@@ -16,6 +16,8 @@ from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
+from histate.core import Tier
+
 from .core_nodes import core_of
 
 BACKEND_NAME = "histate"
@@ -35,6 +37,7 @@ class HiStateTreeCore(UnifiedTreeCore):
             self.histate.victims.on_change(core_of(node))
 
     def set_component_device_value(self, node_id: Any, component_type: Any, value: Any) -> None:
+        """An auxiliary component's device value materialised (MAMBA is the only one here: load-back)."""
         super().set_component_device_value(node_id, component_type, value)
         if self.histate is not None:
             self.histate.victims.on_change(core_of(self.node_by_id(node_id)))

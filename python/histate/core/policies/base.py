@@ -43,6 +43,8 @@ class Policy:
     dense_checkpoints = False  # `unlimited`: a state at every page boundary
     unbounded = False  # ignore configured capacities
     learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
+    charges_demotions = False  # eq. 7's C of a demoted unit is its transfer, not its recompute (units.py)
+    estimates_residence_by_flow = True  # Little's-law T_KV / T_state before residences are observed
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)
