@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from histate.core import CPU_BIT, GPU_BIT, SSD_BIT
+from histate.core import CPU_BIT, GPU_BIT, SSD_BIT, Tier
 from histate.sglang_plugin.config import resolve_config
 from histate.sglang_plugin.core_nodes import core_of
 from histate.sglang_plugin.host_stack import GB, histate_host_split, stock_host_split
@@ -208,6 +208,10 @@ def test_ssd_only_checkpoint_is_restored_off_the_scheduler_thread(sglang_plugins
 
     pools = build_pools(1024, 8)
     cache, tokens, node, expected = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
+    state, config = cache.histate.state, cache.histate.core_config
+    written = 16 * PAGE * config.kv_bytes_per_token + 3 * config.checkpoint_size_bytes  # the prompt, 3 states
+    assert state.state_home_tier is Tier.SSD  # Little's law: inflows to the device and to SSD, home of states
+    assert state.controller.kv_flow.bytes_in == state.controller.state_flow.bytes_in == written
     backend = cache.histate.ssd_tier.backend
     readers = []
     read_state = backend.read_state
