@@ -29,13 +29,13 @@ def main() -> None:
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
 
-    def checksum_then_maybe_freeze(chunk, algo):
+    def checksum_then_maybe_freeze(chunk, *args):
         # checksums run beside the piece writes and the header waits for all of them: freezing one
         # leaves a temp file with payload pieces on disk and no header, i.e. a torn write
         if pause.is_set() and threading.current_thread() is not threading.main_thread():
             say(f"paused {threading.current_thread().name}")
             threading.Event().wait()
-        return real_checksum(chunk, algo)
+        return real_checksum(chunk, *args)
 
     transfer.chunk_checksum = checksum_then_maybe_freeze
     cfg = StoreConfig(dirs=[root], capacity_bytes=1 << 34, backend=backend, num_workers=2,

@@ -1,12 +1,15 @@
 """Store configuration: every knob with its unit and the default chosen by measurement."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 
 from histate.storage.format import DEFAULT_CHUNK_BYTES
 
 BACKENDS = ("auto", "nixl", "file")
 BACKLOG_POLICIES = ("drop", "delay")
+_NAMESPACE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")
 
 
 @dataclass
@@ -27,6 +30,13 @@ class StoreConfig:
     max_write_backlog_items: int = 4096
     backlog_policy: str = "drop"  # "drop": refuse the put (counted); "delay": block the submitter
     preallocate: bool = True  # posix_fallocate each file: ENOSPC before any data moves
+    namespace: str = ""  # "" = each dir is the store's root; else the root is <dir>/<namespace> (one per process)
+    pack_max_bytes: int = 64 << 20  # submit_put(pack=True): payload bytes per pack file
+
+    @property
+    def roots(self) -> list[str]:
+        """The directories the store owns: `dirs`, or `<dir>/<namespace>` for each when namespaced."""
+        return [os.path.join(d, self.namespace) if self.namespace else d for d in self.dirs]
 
     def __post_init__(self) -> None:
         if isinstance(self.dirs, str):
@@ -46,5 +56,9 @@ class StoreConfig:
             problems.append(f"checksum={self.checksum!r}: one of auto, xxh3, crc32")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             problems.append(f"chunk_bytes={self.chunk_bytes}: a positive multiple of 4096")
+        if self.namespace and not _NAMESPACE.fullmatch(self.namespace):
+            problems.append(f"namespace={self.namespace!r}: one directory name of [A-Za-z0-9._-], not . or ..")
+        if self.pack_max_bytes <= 0:
+            problems.append(f"pack_max_bytes={self.pack_max_bytes}: must be positive")
         if problems:
             raise ValueError("invalid StoreConfig: " + "; ".join(problems))
