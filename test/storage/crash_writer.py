@@ -2,7 +2,7 @@
 
 Prints `ack <key> <version>` after each put is published and `paused <key>` once a write has been
 frozen half-way (some pieces on disk, no header yet), which is the parent's cue to SIGKILL it.
-Usage: python crash_writer.py DIR BACKEND ACKS_BEFORE_PAUSE
+Usage: python crash_writer.py DIR BACKEND ACKS_BEFORE_PAUSE [pack]   (pack: batches of 4 as packed files)
 """
 import sys
 import threading
@@ -20,6 +20,7 @@ def payload_bytes(key: str, version: int) -> int:
 
 def main() -> None:
     root, backend, acks_before_pause = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    pack = sys.argv[4:] == ["pack"]
     out_lock = threading.Lock()
     pause = threading.Event()
     real_checksum = transfer.chunk_checksum
@@ -47,7 +48,7 @@ def main() -> None:
         batch_items = [(f"ckpt-{i}", versioned_payload(f"ckpt-{i}", version, payload_bytes(f"ckpt-{i}", version)))
                        for i in range(NUM_KEYS)]
         for start in range(0, NUM_KEYS, 4):
-            for r in store.submit_put(batch_items[start: start + 4]).wait():
+            for r in store.submit_put(batch_items[start: start + 4], pack=pack).wait():
                 if r.stored:
                     say(f"ack {r.key} {version}")
                     acks += 1

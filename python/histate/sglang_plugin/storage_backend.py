@@ -214,9 +214,9 @@ class HiStateStorageBackend(HiCacheStorage):
         # A destination of the wrong size is a layout mismatch: report a miss, do not raise.
         usable = [out is None or (size is not None and out.numel() * out.element_size() == size)
                   for out, size in zip(outs, present)]
-        results = self.store.submit_get(
+        results = self.store.get_many(
             [k for k, ok in zip(store_keys, usable) if ok],
-            [o for o, ok in zip(outs, usable) if ok] if target_locations is not None else None).wait()
+            [o for o, ok in zip(outs, usable) if ok] if target_locations is not None else None)
         it = iter(results)
         values: list = []
         for ok, out in zip(usable, outs):
@@ -236,7 +236,7 @@ class HiStateStorageBackend(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         items = [(self.store_key(KV_POOL, k), v.contiguous()) for k, v in zip(keys, values)
                  if not self.store.exists(self.store_key(KV_POOL, k))]
-        results = self.store.submit_put(items, pack=True).wait() if items else []
+        results = self.store.put_many(items, pack=True) if items else []
         for (key, value), result in zip(items, results):
             if result.stored:
                 self._count_io(written_bytes=value.numel() * value.element_size())
@@ -336,9 +336,7 @@ class HiStateStorageBackend(HiCacheStorage):
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def clear(self) -> bool:
-        for key in self.store.keys():
-            if key.endswith(self.key_suffix):
-                self.store.delete(key)
+        self.store.delete_many([key for key in self.store.keys() if key.endswith(self.key_suffix)])
         return True
 
     def get_stats(self) -> dict:

@@ -19,12 +19,12 @@ class StoreConfig:
     backend: str = "auto"  # "auto": NIXL POSIX when it starts, plain files otherwise; "nixl" | "file" force
     direct_io: bool | None = None  # None: O_DIRECT wherever the file system accepts it
     num_workers: int = 2  # I/O worker threads (each with its own NIXL agent or file session)
-    file_io_threads: int = 2  # per worker, plain backend: helper threads that move pieces while the worker checksums
+    file_io_threads: int = 0  # per worker, plain backend: helper threads for the syscalls (0: the worker does them)
     nixl_params: dict[str, str] = field(default_factory=dict)  # POSIX plugin params, e.g. {"use_uring": "true"}
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # checksum granularity
-    piece_bytes: int = 8 << 20  # pipeline I/O unit
+    piece_bytes: int = 16 << 20  # pipeline unit: I/O size of reads (and of writes needing bounce buffers)
     max_inflight: int = 4  # pipeline depth, pieces
-    checksum_threads: int = 2  # shared pool that checksums pieces beside the I/O (0: in the I/O thread)
+    checksum_threads: int = 1  # pool that checksums beside synchronous I/O (plain backend); NIXL checksums between polls
     checksum: str = "auto"  # payload checksum of new files: "xxh3" (needs xxhash), "crc32"; auto = xxh3 if installed
     max_write_backlog_bytes: int = 1 << 30  # queued + running put payload bytes
     max_write_backlog_items: int = 4096

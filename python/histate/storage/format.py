@@ -76,6 +76,15 @@ class ItemSpec:
     dtype_name: str  # numpy dtype.str ("<f4") or a foreign name such as "torch.bfloat16"
     shape: tuple[int, ...]
 
+    @cached_property  # frozen dataclass: cached in the instance __dict__, not a field
+    def record(self) -> bytes:
+        """The item's header record up to (not including) its chunk checksums."""
+        key_b, dtype_b = self.key.encode(), self.dtype_name.encode("ascii")
+        if len(key_b) > MAX_KEY_BYTES or len(self.shape) > MAX_NDIM:
+            raise FormatError(f"key of {len(key_b)} bytes or ndim {len(self.shape)} out of range")
+        return b"".join((_ITEM.pack(self.payload_bytes, len(key_b), len(dtype_b), len(self.shape), 0), key_b,
+                         dtype_b, struct.pack(f"<{len(self.shape)}Q", *self.shape)))
+
 
 @dataclass(frozen=True)
 class Item(ItemSpec):
@@ -94,22 +103,21 @@ class FileHeader:
     checksum_algo: int
     items: tuple[Item, ...]
 
-    @cached_property  # frozen dataclass: cached in the instance __dict__, not a field
+    @cached_property
+    def liveness_offset(self) -> int:
+        return _body_bytes(self.items, self.chunk_bytes) + _CRC.size
+
+    @cached_property
     def header_bytes(self) -> int:
-        return header_bytes_for(self.items, self.chunk_bytes)
+        return align_up(self.liveness_offset + len(self.items))
 
     @cached_property
     def file_bytes(self) -> int:
         return self.header_bytes + sum(i.padded_bytes for i in self.items)
 
-    @cached_property
-    def liveness_offset(self) -> int:
-        return _body_bytes(self.items, self.chunk_bytes) + _CRC.size
-
 
 def _body_bytes(items: Sequence[ItemSpec], chunk_bytes: int) -> int:
-    return _FIXED.size + sum(_ITEM.size + len(i.key.encode()) + len(i.dtype_name.encode()) + 8 * len(i.shape)
-                             + 4 * num_chunks_for(i.payload_bytes, chunk_bytes) for i in items)
+    return _FIXED.size + sum(len(i.record) + 4 * num_chunks_for(i.payload_bytes, chunk_bytes) for i in items)
 
 
 def header_bytes_for(items: Sequence[ItemSpec], chunk_bytes: int) -> int:
@@ -157,14 +165,9 @@ def encode_header(header: FileHeader, live: Sequence[bool] | None = None) -> byt
     parts = [_FIXED.pack(MAGIC, FORMAT_VERSION, header.checksum_algo, header.header_bytes, header.seq,
                          header.chunk_bytes, n)]
     for item in header.items:
-        key_b, dtype_b = item.key.encode(), item.dtype_name.encode("ascii")
-        if len(key_b) > MAX_KEY_BYTES or len(item.shape) > MAX_NDIM:
-            raise FormatError(f"key of {len(key_b)} bytes or ndim {len(item.shape)} out of range")
         if len(item.chunk_checksums) != num_chunks_for(item.payload_bytes, header.chunk_bytes):
             raise FormatError(f"{len(item.chunk_checksums)} checksums for {item.payload_bytes} bytes")
-        parts += [_ITEM.pack(item.payload_bytes, len(key_b), len(dtype_b), len(item.shape), 0), key_b, dtype_b,
-                  struct.pack(f"<{len(item.shape)}Q", *item.shape),
-                  struct.pack(f"<{len(item.chunk_checksums)}I", *item.chunk_checksums)]
+        parts += [item.record, struct.pack(f"<{len(item.chunk_checksums)}I", *item.chunk_checksums)]
     body = b"".join(parts)
     flags = bytes(LIVE if (live is None or live[i]) else DEAD for i in range(n))
     out = body + _CRC.pack(zlib.crc32(body)) + flags
@@ -234,7 +237,14 @@ def decode_header(buf) -> tuple[FileHeader, tuple[bool, ...]]:
 def build_header(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec],
                  checksums: Sequence[Sequence[int]]) -> FileHeader:
     """The header of a file about to be completed: specs in file order with their chunk checksums."""
-    offsets = item_offsets(specs, header_bytes_for(specs, chunk_bytes))
-    items = tuple(Item(s.key, s.payload_bytes, s.dtype_name, s.shape, tuple(c), off)
-                  for s, c, off in zip(specs, checksums, offsets))
-    return FileHeader(seq, chunk_bytes, algo, items)
+    liveness_offset = _body_bytes(specs, chunk_bytes) + _CRC.size
+    header_bytes = align_up(liveness_offset + len(specs))
+    offsets = item_offsets(specs, header_bytes)
+    items = []
+    for spec, sums, offset in zip(specs, checksums, offsets):
+        item = Item(spec.key, spec.payload_bytes, spec.dtype_name, spec.shape, tuple(sums), offset)
+        item.__dict__["record"] = spec.record  # already encoded (cached_property storage)
+        items.append(item)
+    header = FileHeader(seq, chunk_bytes, algo, tuple(items))
+    header.__dict__.update(liveness_offset=liveness_offset, header_bytes=header_bytes)  # cached_property storage
+    return header

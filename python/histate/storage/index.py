@@ -22,9 +22,10 @@ import os
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
-from histate.storage.format import ALIGN_BYTES, DEAD, FileHeader, FormatError, Item, decode_header, header_bytes_from_prefix
+from histate.storage.format import (ALIGN_BYTES, FileHeader, FormatError, Item, align_up, decode_header, encode_header,
+                                    header_bytes_from_prefix)
 from histate.storage.layout import Layout, Location, OBJECT_SUFFIX, classify_name, encode_key, pack_stem, PACK_SUFFIX
 from histate.storage.ownership import MARKER_NAME, OwnedRoot, StoreDirectoryError, remove_file
 
@@ -155,13 +156,17 @@ def _read_header(dir_fd: int, name: str) -> tuple[FileHeader, tuple[bool, ...], 
     return header, live, st
 
 
-def mark_dead(dir_fd: int, name: str, header: FileHeader, index: int) -> None:
-    """Durably delete one item of a pack: its liveness byte becomes DEAD (one buffered write)."""
+def write_liveness(dir_fd: int, name: str, header: FileHeader, live: Collection[int]) -> None:
+    """Durably record which items of a pack are live: the header blocks holding the liveness bytes are
+    re-encoded from `header` and written whole (no read-modify-write of the block)."""
+    first = header.liveness_offset // ALIGN_BYTES * ALIGN_BYTES
+    stop = align_up(header.liveness_offset + len(header.items))
+    block = encode_header(header, [i in live for i in range(len(header.items))])[first:stop]
     fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{name} is not a regular file")
-        os.pwrite(fd, bytes([DEAD]), header.liveness_offset + index)
+        os.pwrite(fd, block, first)
     finally:
         os.close(fd)
 
@@ -288,6 +293,6 @@ def _kill_copy(f: _Found, key: str, report: RebuildReport) -> None:
     f.live[i] = False
     if f.file.is_pack and any(f.live):
         try:
-            mark_dead(f.dir_fd, f.file.loc.name, f.file.header, i)
+            write_liveness(f.dir_fd, f.file.loc.name, f.file.header, [j for j, alive in enumerate(f.live) if alive])
         except OSError as exc:
             log.warning("histate.storage: cannot mark %r deleted in %s: %s", key, f.file.path, exc)

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from histate.storage.buffers import address_of, aligned_empty
+from histate.storage.buffers import aligned_empty
 from histate.storage.format import ALIGN_BYTES
 from histate.storage.results import Fault, IoFault, fault_from_oserror
 
@@ -57,6 +57,7 @@ class IoSession:
     """Base class: file handling common to all backends. One session is used by one thread."""
 
     name = "base"
+    synchronous = False  # True when submit() does the I/O before returning (no overlap with this thread)
 
     def __init__(self, preallocate: bool = True):
         self.preallocate = preallocate
@@ -161,13 +162,3 @@ class IoSession:
         for buf in self._staging.values():
             self._unregister_staging(buf)
         self._staging.clear()
-
-
-def check_direct_segments(f: OpenFile, segments: Sequence[Segment]) -> None:
-    """O_DIRECT preconditions, checked before the kernel (or NIXL) fails with a bare EINVAL."""
-    if not f.direct:
-        return
-    for offset, view in segments:
-        if offset % ALIGN_BYTES or view.size % ALIGN_BYTES or address_of(view) % ALIGN_BYTES:
-            raise ValueError(f"unaligned O_DIRECT segment: offset {offset}, {view.size} bytes, "
-                             f"address {address_of(view):#x}")

@@ -15,16 +15,18 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from histate.storage.buffers import is_aligned
+from histate.storage.buffers import address_of
 from histate.storage.format import (ALIGN_BYTES, DEFAULT_CHECKSUM, FileHeader, FormatError, ItemSpec, align_up,
                                     build_header, chunk_checksum, chunk_seed, decode_header, encode_header,
                                     header_bytes_for, item_offsets, item_seed)
 from histate.storage.io_base import IoSession, OpenFile, Segment
 from histate.storage.results import Fault, IoFault
+
+SINGLE_CALL_MAX_BYTES = 4 << 20  # up to this payload a write is one call, header included (checksums first)
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,11 @@ class PipelineConfig:
     chunk_bytes: int = 1 << 20  # checksum granularity (recorded in each file's header)
     piece_bytes: int = 8 << 20  # I/O unit of the pipeline; rounded to a multiple of chunk_bytes
     max_inflight: int = 4  # pieces posted but not yet completed
-    checksum_pool: Executor | None = None  # checksums run here, beside the I/O; None = inline
+    checksum_pool: Executor | None = None  # where checksums run when the session's I/O blocks this thread
     checksum_algo: int = DEFAULT_CHECKSUM  # for new files (reads use the file's own)
 
 
-@dataclass(frozen=True)
-class _Range:
+class _Range(NamedTuple):
     slot: int  # which of the items being moved
     start: int  # payload offset within the item
     stop: int
@@ -71,26 +72,38 @@ def _plan_pieces(sizes: Sequence[int], step: int) -> list[_Piece]:
     return pieces
 
 
-def _bounce_bytes(f: OpenFile, views: list[np.ndarray]) -> int:
-    """Staging needed under O_DIRECT: the partial last block of aligned views, all of unaligned ones."""
-    if not f.direct:
+def _addresses(f: OpenFile, hosts: Sequence[np.ndarray]) -> list[int] | None:
+    """Base address of each host buffer, when O_DIRECT needs them (alignment is checked per range)."""
+    return [address_of(h) for h in hosts] if f.direct else None
+
+
+def _bounce_bytes(ranges: Sequence[_Range], addrs: list[int] | None) -> int:
+    """Staging needed under O_DIRECT: the partial last block of aligned ranges, all of unaligned ones."""
+    if addrs is None:
         return 0
-    return sum((ALIGN_BYTES if v.size % ALIGN_BYTES else 0) if is_aligned(v) else align_up(v.size) for v in views)
+    total = 0
+    for slot, start, stop in ranges:
+        size = stop - start
+        if (addrs[slot] + start) % ALIGN_BYTES:
+            total += align_up(size)
+        elif size % ALIGN_BYTES:
+            total += ALIGN_BYTES
+    return total
 
 
-def _map_piece(sess: IoSession, f: OpenFile, piece: _Piece, hosts: Sequence[np.ndarray], offsets: Sequence[int],
-               slot: int, writing: bool) -> None:
+def _map_piece(sess: IoSession, piece: _Piece, hosts: Sequence[np.ndarray], addrs: list[int] | None,
+               offsets: Sequence[int], slot: int, writing: bool) -> None:
     """Segments for every range of `piece`, bouncing through staging what O_DIRECT rejects."""
-    views = [hosts[r.slot][r.start: r.stop] for r in piece.ranges]
-    need = _bounce_bytes(f, views)
+    if addrs is None:
+        piece.segments += [(offsets[r.slot] + r.start, hosts[r.slot][r.start: r.stop]) for r in piece.ranges]
+        return
+    need = _bounce_bytes(piece.ranges, addrs)
     stage = sess.staging(f"bounce{slot}", need) if need else None
     pos = 0
-    for r, view in zip(piece.ranges, views):
+    for r in piece.ranges:
         offset = offsets[r.slot] + r.start
-        if not f.direct:
-            piece.segments.append((offset, view))
-            continue
-        if is_aligned(view):
+        view = hosts[r.slot][r.start: r.stop]
+        if (addrs[r.slot] + r.start) % ALIGN_BYTES == 0:
             body = view.size - view.size % ALIGN_BYTES
             if body:
                 piece.segments.append((offset, view[:body]))
@@ -108,21 +121,39 @@ def _map_piece(sess: IoSession, f: OpenFile, piece: _Piece, hosts: Sequence[np.n
         piece.segments.append((offset, buf))
 
 
-def _checksums(host: np.ndarray, r: _Range, chunk_bytes: int, algo: int, seed: int) -> list[int]:
-    return [chunk_checksum(host[i: min(i + chunk_bytes, r.stop)], algo, chunk_seed(seed, i // chunk_bytes))
-            for i in range(r.start, r.stop, chunk_bytes)]
+def _checksums(host: np.ndarray, r: _Range, chunk_bytes: int, algo: int, seed: int, between=None) -> list[int]:
+    sums = []
+    for i in range(r.start, r.stop, chunk_bytes):
+        sums.append(chunk_checksum(host[i: min(i + chunk_bytes, r.stop)], algo, chunk_seed(seed, i // chunk_bytes)))
+        if between is not None:
+            between()
+    return sums
 
 
-def _piece_checksums(piece: _Piece, hosts, chunk_bytes: int, algo: int, seeds) -> list[tuple[int, list[int]]]:
-    return [(r.slot, _checksums(hosts[r.slot], r, chunk_bytes, algo, seeds[r.slot])) for r in piece.ranges]
+def _piece_checksums(piece: _Piece, hosts, chunk_bytes: int, algo: int, seeds, between=None):
+    return [(r.slot, _checksums(hosts[r.slot], r, chunk_bytes, algo, seeds[r.slot], between)) for r in piece.ranges]
 
 
-def _spawn(cfg: PipelineConfig, fn, *args):
-    return fn(*args) if cfg.checksum_pool is None else cfg.checksum_pool.submit(fn, *args)
+def _checksum_pool(cfg: PipelineConfig, sess: IoSession) -> Executor | None:
+    """Checksums overlap the I/O: with a synchronous session (plain syscalls in this thread) they run in
+    the pool; with an asynchronous one (NIXL) they run here, polling the queue between chunks (NIXL's
+    POSIX queue only advances when polled), which costs no thread hand-off."""
+    return cfg.checksum_pool if sess.synchronous else None
+
+
+def _spawn(pool: Executor | None, fn, *args, between=None):
+    return fn(*args, between=between) if pool is None else pool.submit(fn, *args)
 
 
 def _result(job):
     return job.result() if isinstance(job, Future) else job
+
+
+def _poller(sess: IoSession, inflight: deque):
+    def poll() -> None:
+        for piece in inflight:
+            sess.poll(piece.token)
+    return poll
 
 
 def _drain(sess: IoSession, inflight: deque) -> None:
@@ -143,11 +174,9 @@ def _staged_header(sess: IoSession, header: FileHeader, live: Sequence[bool] | N
 def _zero_header(sess: IoSession, header_bytes: int) -> np.ndarray:
     """Placeholder for the header block, written with the first piece: on ext4/XFS an O_DIRECT write
     into an unallocated or unwritten block needs a journalled extent change (~0.2-1 ms on the reference
-    VM), an overwrite of a written block does not; and zeros fail the magic check if we crash."""
-    buf = sess.staging("zero_header", header_bytes)
-    if buf.any():
-        buf[:] = 0
-    return buf
+    VM), an overwrite of a written block does not; and zeros fail the magic check if we crash. The
+    staging buffer is zero-filled when allocated and never written."""
+    return sess.staging("zero_header", header_bytes)
 
 
 def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray],
@@ -157,32 +186,61 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
     header_bytes = header_bytes_for(specs, chunk_bytes)
     offsets = item_offsets(specs, header_bytes)
     seeds = [item_seed(s.key, seq) for s in specs]
-    pieces = _plan_pieces([s.payload_bytes for s in specs], _step(cfg, chunk_bytes))
+    step = _step(cfg, chunk_bytes)
+    pieces = _plan_pieces([s.payload_bytes for s in specs], step)
     sums: list[list[int]] = [[] for _ in specs]
-    if len(pieces) <= 1:  # small file: one vectored call for header + payloads
+    if sum(s.payload_bytes for s in specs) <= min(step, SINGLE_CALL_MAX_BYTES):
+        # small file: checksums first, then one vectored call for header + payloads (cheaper than a
+        # second I/O for the header)
         for piece in pieces:
             for slot, part in _piece_checksums(piece, hosts, chunk_bytes, algo, seeds):
                 sums[slot] += part
         header = build_header(seq, chunk_bytes, algo, specs, sums)
         segments = [(0, _staged_header(sess, header))]
+        addrs = _addresses(f, hosts)
         for piece in pieces:
-            _map_piece(sess, f, piece, hosts, offsets, 0, True)
+            _map_piece(sess, piece, hosts, addrs, offsets, 0, True)
             segments += piece.segments
         sess.run(f, "WRITE", segments)
         return header
+    # The I/O: the whole payload in one vectored call when staging stays small (aligned sources, or
+    # buffered I/O): one syscall, or one transfer to post; otherwise piece by piece, at most
+    # `max_inflight` in flight (they share the staging slots). Checksums go piece by piece meanwhile.
+    addrs = _addresses(f, hosts)
+    all_ranges = [r for p in pieces for r in p.ranges]
+    io_pieces = [_Piece(all_ranges)] if _bounce_bytes(all_ranges, addrs) <= step else pieces
     inflight: deque[_Piece] = deque()
-    jobs = []
+    between = _poller(sess, inflight)
+    posted = 0
+
+    def prepare(k: int) -> _Piece:
+        piece = io_pieces[k]
+        _map_piece(sess, piece, hosts, addrs, offsets, k % cfg.max_inflight, True)
+        if k == 0:  # zeros now (an invalid header) so the real one later rewrites allocated blocks
+            piece.segments.insert(0, (0, _zero_header(sess, header_bytes)))
+        return piece
+
+    def post(piece: _Piece | None = None) -> None:
+        nonlocal posted
+        piece = piece or prepare(posted)
+        piece.token = sess.submit(f, "WRITE", piece.segments)
+        inflight.append(piece)
+        posted += 1
+
+    pool = _checksum_pool(cfg, sess)
     try:
-        for k, piece in enumerate(pieces):
-            if len(inflight) >= cfg.max_inflight:
+        first = prepare(0)  # before the pool starts: its Python would compete for the GIL
+        # with a pool, every piece's checksum starts now, beside the I/O that runs in this thread
+        jobs = [pool.submit(_piece_checksums, p, hosts, chunk_bytes, algo, seeds) for p in pieces] if pool else []
+        post(first)
+        while posted < len(io_pieces) and len(inflight) < cfg.max_inflight:
+            post()
+        for piece in pieces:
+            if pool is None:  # here, while the disk writes, polling the queue between chunks
+                jobs.append(_piece_checksums(piece, hosts, chunk_bytes, algo, seeds, between))
+            if posted < len(io_pieces):
                 sess.wait(inflight.popleft().token)
-            _map_piece(sess, f, piece, hosts, offsets, k % cfg.max_inflight, True)
-            if k == 0:  # zeros now (an invalid header) so the real one later rewrites allocated blocks
-                piece.segments.insert(0, (0, _zero_header(sess, header_bytes)))
-            piece.token = sess.submit(f, "WRITE", piece.segments)
-            inflight.append(piece)
-            jobs.append(_spawn(cfg, _piece_checksums, piece, hosts, chunk_bytes, algo, seeds))
-            sess.poll(piece.token)
+                post()
         for job in jobs:
             for slot, part in _result(job):
                 sums[slot] += part
@@ -196,7 +254,7 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
     return header
 
 
-def _verify(out: np.ndarray, r: _Range, header: FileHeader, index: int) -> None:
+def _verify(out: np.ndarray, r: _Range, header: FileHeader, index: int, between=None) -> None:
     item = header.items[index]
     cb = header.chunk_bytes
     seed = item_seed(item.key, header.seq)
@@ -207,14 +265,16 @@ def _verify(out: np.ndarray, r: _Range, header: FileHeader, index: int) -> None:
             raise IoFault(Fault.CORRUPT, f"{item.key!r}: {exc}") from None
         if found != item.chunk_checksums[i // cb]:
             raise IoFault(Fault.CORRUPT, f"payload checksum mismatch in chunk {i // cb} of {item.key!r}")
+        if between is not None:
+            between()
 
 
-def _verify_piece(piece: _Piece, outs, header: FileHeader, indices) -> list[tuple[int, IoFault]]:
+def _verify_piece(piece: _Piece, outs, header: FileHeader, indices, between=None) -> list[tuple[int, IoFault]]:
     """Checksum every range of a piece; the faults found, per slot (an item's fault fails that item only)."""
     faults = []
     for r in piece.ranges:
         try:
-            _verify(outs[r.slot], r, header, indices[r.slot])
+            _verify(outs[r.slot], r, header, indices[r.slot], between)
         except IoFault as fault:
             faults.append((r.slot, fault))
     return faults
@@ -240,11 +300,12 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
     offsets = [header.items[i].offset for i in indices]
     pieces = _plan_pieces([header.items[i].payload_bytes for i in indices], _step(cfg, header.chunk_bytes))
     hdr = sess.staging("header", header.header_bytes) if verify_header else None
+    addrs = _addresses(f, outs)
     results: list[IoFault | None] = [None] * len(indices)
     if len(pieces) <= 1:  # small read: one vectored call
         segments = [(0, hdr)] if hdr is not None else []
         for piece in pieces:
-            _map_piece(sess, f, piece, outs, offsets, 0, False)
+            _map_piece(sess, piece, outs, addrs, offsets, 0, False)
             segments += piece.segments
         if segments:
             sess.run(f, "READ", segments)
@@ -258,17 +319,20 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
         return results
     pending = deque(enumerate(pieces))
     inflight: deque[_Piece] = deque()
+    between = _poller(sess, inflight)
     checks = []
 
     def post() -> None:
         k, piece = pending.popleft()
-        _map_piece(sess, f, piece, outs, offsets, k % cfg.max_inflight, False)
+        _map_piece(sess, piece, outs, addrs, offsets, k % cfg.max_inflight, False)
         segments = ([(0, hdr)] if (k == 0 and hdr is not None) else []) + piece.segments
         piece.token = sess.submit(f, "READ", segments)
         inflight.append(piece)
 
+    window = 1 if sess.synchronous else cfg.max_inflight  # a synchronous session reads while the pool verifies
+    pool = _checksum_pool(cfg, sess)
     try:
-        while pending and len(inflight) < cfg.max_inflight:
+        while pending and len(inflight) < window:
             post()
         first = True
         while inflight:
@@ -279,11 +343,13 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
             first = False
             for staged, dest in piece.copy_back:  # before its bounce slot is posted again
                 dest[:] = staged
-            if pending:
+            # verify piece k while the disk reads the next ones (in the pool, or here between polls); a
+            # synchronous session reads in this thread, so the pool gets its job first
+            if pending and not sess.synchronous:
                 post()
-            checks.append(_spawn(cfg, _verify_piece, piece, outs, header, indices))
-            for p in inflight:  # keep the queue moving while the pool checksums (NIXL POSIX needs polls)
-                sess.poll(p.token)
+            checks.append(_spawn(pool, _verify_piece, piece, outs, header, indices, between=between))
+            if pending and sess.synchronous:
+                post()
     finally:
         _drain(sess, inflight)
     for job in checks:
