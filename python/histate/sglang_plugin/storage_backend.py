@@ -75,17 +75,23 @@ def rank_budget_bytes(section: dict, num_ranks: int) -> int:
     return budget
 
 
-def rank_namespace(storage_config: HiCacheStorageConfig) -> str:
-    """Subdirectory of every --histate-ssd-dir that this rank owns. The same identity SGLang's file
-    backend appends to its keys (sglang/srt/mem_cache/hicache_storage.py:738-760 build it from model,
-    TP rank/size, PP, CP; :822-826 suffix every key), plus the attention-DP rank (with DP attention
-    tp_rank is group-local, hicache_storage.py:41-42; the file backend leaves it out)."""
+def rank_suffix(storage_config: HiCacheStorageConfig) -> str:
+    """This rank's identity as SGLang's file backend appends it to every key: model, TP rank/size, PP,
+    CP (sglang/srt/mem_cache/hicache_storage.py:738-760 build it, :822-826 suffix every key)."""
     model = "-".join((storage_config.model_name or "").split("/"))
-    name = f"rank_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
+    suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
     if storage_config.pp_size > 1:
-        name += f"_pp{storage_config.pp_rank}_{storage_config.pp_size}"
+        suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
     if storage_config.attn_cp_size > 1:
-        name += f"_cp{storage_config.attn_cp_rank}_{storage_config.attn_cp_size}"
+        suffix += f"_cp{storage_config.attn_cp_rank}_{storage_config.attn_cp_size}"
+    return suffix
+
+
+def rank_namespace(storage_config: HiCacheStorageConfig) -> str:
+    """Subdirectory of every --histate-ssd-dir that this rank owns: its rank suffix plus the
+    attention-DP rank (with DP attention tp_rank is group-local, hicache_storage.py:41-42; the file
+    backend leaves it out), as one safe directory name."""
+    name = "rank" + rank_suffix(storage_config)
     if getattr(storage_config, "dp_rank", 0):
         name += f"_dp{storage_config.dp_rank}"
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:180]
@@ -120,13 +126,7 @@ class HiStateStorageBackend(HiCacheStorage):
                  store: Any = None):
         extra = storage_config.extra_config or {}
         section = extra.get(EXTRA_CONFIG_KEY)
-        model = "-".join((storage_config.model_name or "").split("/"))
-        suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
-        if storage_config.pp_size > 1:
-            suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
-        if storage_config.attn_cp_size > 1:
-            suffix += f"_cp{storage_config.attn_cp_rank}_{storage_config.attn_cp_size}"
-        self.key_suffix = suffix
+        self.key_suffix = rank_suffix(storage_config)
         self.metrics: Any = None  # HiStateMetrics, set by the tree cache once attached
         self.on_state_evicted: Optional[Callable[[float], None]] = None  # T_state EMA feed
         self.on_state_written: Optional[Callable[[], None]] = None  # first SSD checkpoint (censoring)

@@ -28,6 +28,7 @@ from histate.storage.format import (ALIGN_BYTES, FileHeader, FormatError, Item, 
                                     header_bytes_from_prefix)
 from histate.storage.layout import Layout, Location, OBJECT_SUFFIX, classify_name, encode_key, pack_stem, PACK_SUFFIX
 from histate.storage.ownership import MARKER_NAME, OwnedRoot, StoreDirectoryError, remove_file
+from histate.storage.results import IoFault
 
 log = logging.getLogger(__name__)
 _generations = itertools.count(1)
@@ -195,7 +196,11 @@ class _Found:
 
 def _scan_fanout(root_idx: int, root: OwnedRoot, fanout: str, layout: Layout, report: RebuildReport,
                  found: list[_Found], fds: list[int]) -> Iterator[None]:
-    dir_fd = root.open_fanout(fanout, create=False)
+    try:
+        dir_fd = root.open_fanout(fanout, create=False)
+    except IoFault:  # vanished or replaced since it was listed: nothing of ours to index there
+        report.foreign += 1
+        return
     fds.append(dir_fd)
     with os.scandir(dir_fd) as it:
         entries = sorted(it, key=lambda de: de.name)

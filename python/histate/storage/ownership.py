@@ -49,8 +49,11 @@ class OwnedRoot:
         self.path = path
         if os.path.realpath(path) == os.sep:
             raise StoreDirectoryError(f"refusing '{os.sep}' as a store directory: give a dedicated directory")
-        os.makedirs(path, exist_ok=True)
-        self.fd = os.open(path, _DIR_FLAGS)
+        try:
+            os.makedirs(path, exist_ok=True)
+            self.fd = os.open(path, _DIR_FLAGS)
+        except OSError as exc:
+            raise StoreDirectoryError(f"{path} cannot be used as a store directory: {exc.strerror}") from None
         try:
             self._lock()
             self._check_marker()
