@@ -94,6 +94,18 @@ def test_a_planted_symlink_fanout_directory_is_refused(tmp_path, make_store):
     again.close()
 
 
+def test_a_fanout_replaced_by_a_symlink_is_not_read_or_cleaned_through(tmp_path, make_store):
+    store = make_store(dirs=[str(tmp_path / "store")])
+    store.put("k", np.ones(5000, np.uint8))
+    fanout = os.path.dirname(store.layout.final_path("k"))
+    outside = tmp_path / "outside"
+    shutil.move(fanout, outside)  # our directory, with our file, now lives elsewhere
+    os.symlink(outside, fanout)
+    r = store.get("k")
+    assert r.fault is Fault.UNSAFE_PATH and not store.exists("k")
+    assert sorted(os.listdir(outside)) == [os.path.basename(store.layout.final_path("k"))]  # not removed
+
+
 @pytest.mark.parametrize("inner", ["sub", "fanout", "same-call", "duplicate"])
 def test_nested_roots_are_refused(tmp_path, backend, inner):
     outer = tmp_path / "outer"

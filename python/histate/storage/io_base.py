@@ -68,8 +68,9 @@ class IoSession:
         """Open `name` in directory `dir_fd` for reading. Opened O_NONBLOCK + O_NOFOLLOW and checked to
         be a regular file before anything else: a FIFO, device or symlink planted at an object's name is
         a fault, never a hang. O_DIRECT is switched on afterwards (open() of a FIFO rejects it)."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise IoFault(Fault.CORRUPT, f"{label} is a symlink, not a file the store wrote") from None
@@ -78,8 +79,7 @@ class IoSession:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise IoFault(Fault.CORRUPT, f"{label} is not a regular file (mode {st.st_mode:#o})")
-            flags = fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags | (os.O_DIRECT if direct else 0))
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | (os.O_DIRECT if direct else 0))  # O_NONBLOCK off
             f = OpenFile(label, fd, st.st_size, direct, writable=False)
             self._attach(f)
         except OSError as exc:
