@@ -131,6 +131,11 @@ def _deepest_checkpoint(cache, tokens):
 
 
 def test_under_pressure_on_every_tier_each_decision_is_the_cores(sglang_plugins, tmp_path, monkeypatch):
+    import histate.sglang_plugin.config as plugin_config
+    import histate.sglang_plugin.storage_backend as plugin_storage
+
+    for module in (plugin_config, plugin_storage):  # the 64 MiB floor is one Qwen3.5 checkpoint; these are 544 B
+        monkeypatch.setattr(module, "MIN_SSD_SIZE_BYTES", 1 << 20)
     config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
                              "ssd_size_bytes": "1MiB"}, {})
     publish_server_args()
