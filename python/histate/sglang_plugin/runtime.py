@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
-from histate.core import CacheConfig, PolicyState, Tier, UnitKind, make_policy
+from histate.core import SGLANG_TIER_NAMES, CacheConfig, PolicyState, Tier, UnitKind, make_policy
 
 from .config import HiStateConfig
 from .core_nodes import CoreNode, core_of
@@ -80,7 +80,8 @@ class HiStateRuntime:
                  now_s: float) -> Optional[CoreNode]:
         """Core `begin_request` semantics on SGLang's match: refresh KV along the matched path, the used
         checkpoint (the deepest one on it in any tier, as the core's c) and, for refresh-all policies,
-        every checkpoint above it; learn q and the near-end prior once per request. Returns the node of
+        every checkpoint above it; once per request, learn q and the near-end prior and count the hit
+        (by the tier of that checkpoint: an SSD one is restored before admission). Returns the node of
         the used checkpoint (None: nothing reusable)."""
         path = []
         sg = last_sg
@@ -94,6 +95,9 @@ class HiStateRuntime:
             req._hs_observed = True  # a retried admission is not evidence twice
             diverged_in = path[-1] if path else None
             self.state.observe_match(kv_match_tokens, self.state.end_offset(diverged_in, kv_match_tokens))
+            mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
+            self.metrics.record_match(input_tokens=input_tokens, reused_tokens=ckpt_node.depth_pages if mask else 0,
+                                      tier=SGLANG_TIER_NAMES[Tier((mask & -mask).bit_length() - 1)] if mask else None)
         return ckpt_node
 
     def on_node_removed(self, node: CoreNode) -> None:

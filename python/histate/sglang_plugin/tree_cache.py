@@ -20,14 +20,13 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from histate.core import SGLANG_TIER_NAMES, Tier
+from histate.core import Tier
 
 from .components import HiStateFullComponent, HiStateMambaComponent
-from .core_nodes import core_of
 from .config import HiStateConfig, HiStateConfigError, resolve_config
 from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
-from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics
 from .clock import AgreedClock
+from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics
 from .runtime import HiStateRuntime
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import register_tree_core
@@ -202,18 +201,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         if params.req is not None and runtime.ssd_tier is not None and hasattr(params.req, "cache_request_handle"):
             runtime.ssd_tier.note_match(params.req.cache_request_handle, ckpt_node)
         if params.req is not None:
-            best = self.tree_core.node_by_id(result.best_match_node)
-            reused = core_of(best).depth_pages if best.parent is not None else 0
-            runtime.metrics.record_match(input_tokens=len(params.key), reused_tokens=reused,
-                                         tier=self._checkpoint_tier(best) if reused else None)
             self._update_checkpoint_gauges()
         return self._finalize_match_result(params, result)
-
-    @staticmethod
-    def _checkpoint_tier(node: Any) -> Optional[str]:
-        """SGLang's name of the fastest tier holding `node`'s checkpoint."""
-        mask = core_of(node).ckpt_mask
-        return SGLANG_TIER_NAMES[Tier((mask & -mask).bit_length() - 1)] if mask else None
 
     def _update_checkpoint_gauges(self) -> None:
         """Checkpoints resident per tier, from O(1) sources (ledger, host pool, SSD counter)."""

@@ -41,6 +41,7 @@ class HiStateTreeCore(UnifiedTreeCore):
         super().set_component_device_value(node_id, component_type, value)
         if self.histate is not None:
             self.histate.victims.on_change(core_of(self.node_by_id(node_id)))
+            self.histate.bytes_in(Tier.GPU, self.histate.core_config.checkpoint_size_bytes)
 
     def attach_host_state(self, node: Any, host_slot: Any) -> None:
         """A state restored from SSD becomes the node's host copy, placed as SGLang's own L3 prefetch
