@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from histate.core import CPU_BIT, GPU_BIT, SSD_BIT, CacheConfig, HybridPrefixCache, Tier, make_policy
 from histate.sglang_plugin import eviction
 from histate.sglang_plugin.config import resolve_config

@@ -15,21 +15,20 @@ import itertools
 import random
 import threading
 
-import pytest
 import torch
 
-from histate.core import SSD_BIT, Tier
+from histate.core import SSD_BIT
 from histate.sglang_plugin import eviction
 from histate.sglang_plugin.config import resolve_config
 from histate.sglang_plugin.core_nodes import core_of
 from histate.sglang_plugin.server_settings import storage_extra_config
 from histate.sim.workloads import AgentWorkloadConfig, agent_workload
 
-from sglang_cpu.hicache import TieredDriver, build_hicache, request
+from sglang_cpu.hicache import TieredDriver, build_hicache
 from sglang_cpu.pools import PAGE, build_pools, publish_server_args
 
 MIN_STEPS = 10_000
-NUM_REQUESTS = 600  # ~2,600 steps with cache decisions; the control diverges after ~1,000
+NUM_REQUESTS = 600  # 10,504 steps, 3,294 evictions per rank; the control diverged after 247 requests
 DECODE_STEPS = 14  # scheduler steps between two admissions (each agrees the clock)
 JITTER_S = 0.005  # each rank's clock reads up to 5 ms late, independently
 TRACE = AgentWorkloadConfig(
