@@ -19,7 +19,10 @@ class ScoringContext:
     """N_s: one checkpoint in tokens of KV (M of a checkpoint unit)."""
     terminal_prob: float
     """q: EMA of hits that land on a terminal checkpoint; interior positions share 1 - q."""
+    attention_pair_tokens: float = 0.0
+    """One attention (query, key) pair in per-token FLOPs (CacheConfig.attention_pair_tokens)."""
 
     @classmethod
     def of(cls, config, terminal_prob: float) -> "ScoringContext":
-        return cls(config.tau_s, config.page_num_tokens, config.checkpoint_token_equiv, terminal_prob)
+        return cls(config.tau_s, config.page_num_tokens, config.checkpoint_token_equiv, terminal_prob,
+                   config.attention_pair_tokens)
