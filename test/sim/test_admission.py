@@ -184,3 +184,14 @@ def test_request_keys_through_the_output_are_deterministic_and_private_where_unk
                 gap_before_s=0.0, output_page_keys=(3,))
     assert r.keys_through(5) == (1, 2, 3, ("out", 5, 3), ("out", 5, 4))
     assert r.keys_through(1) == (1,)
+
+
+class _Never(MemoryGate):
+    def admit(self, req, context_num_tokens, now_s, idle):
+        return None
+
+
+def test_a_gate_that_refuses_an_idle_engine_is_an_error_not_a_hang():
+    eng = Engine(QWEN35_9B, H100_SXM, EngineConfig(), step_cost=StubCost(), gate=_Never())
+    with pytest.raises(RuntimeError, match="idle GPU"):
+        eng.submit(EngineRequest("a", 64, 64, 1), 0.0)

@@ -337,8 +337,11 @@ class Engine:
         """Admit waiting requests in FIFO order until the gate refuses one (head-of-line blocking)."""
         while self._waiting and len(self._running) < self.config.max_running_requests:
             active = self._waiting[0]
-            admitted = self.gate.admit(active.req, active.target, now_s, idle=not self._running)
+            idle = not self._running
+            admitted = self.gate.admit(active.req, active.target, now_s, idle=idle)
             if admitted is None:
+                if idle:  # nothing would ever free memory: the replay could not end
+                    raise RuntimeError(f"{type(self.gate).__name__} refused {active.req.request_id!r} on an idle GPU")
                 self.stats.admissions_deferred += 1
                 return
             self._waiting.popleft()

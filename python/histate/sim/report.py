@@ -23,6 +23,7 @@ def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi")
         if "engine" in run.engine_stats:  # memory pressure: requests that waited or were preempted
             summaries[name]["admissions_deferred"] = run.engine_stats["engine"].admissions_deferred
             summaries[name]["preemptions"] = run.engine_stats["engine"].preemptions
+            summaries[name]["admission_overcommits"] = run.engine_stats["admission"].overcommits
         if cohort:
             summaries[name]["cohort_ttft_mean_s"] = summarize(run, cohort)["ttft_mean_s"]
     return {"policies": summaries, "speedup_vs_" + baseline: speedups(summaries, baseline),
