@@ -313,9 +313,12 @@ class HybridPrefixCache:
         if num_new <= 0:
             return path, 0
         size = num_new * self.config.kv_bytes_per_page
-        self._lock(parent, +1)  # making room must not evict the path we attach to
+        held = parent.lock_count > 0  # a pinned node's ancestors are pinned too (I5): nothing to add
+        if not held:
+            self._lock(parent, +1)  # making room must not evict the path we attach to
         ok = evictor.make_room(self.ledger.pool_of(Tier.GPU, ItemKind.KV), size, now_s)
-        self._lock(parent, -1)
+        if not held:
+            self._lock(parent, -1)
         if not ok:
             self.stats.num_insert_failures += 1
             return path, 0
