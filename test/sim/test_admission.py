@@ -195,3 +195,16 @@ def test_a_gate_that_refuses_an_idle_engine_is_an_error_not_a_hang():
     eng = Engine(QWEN35_9B, H100_SXM, EngineConfig(), step_cost=StubCost(), gate=_Never())
     with pytest.raises(RuntimeError, match="idle GPU"):
         eng.submit(EngineRequest("a", 64, 64, 1), 0.0)
+
+
+def test_engine_profiles_follow_the_policy_unless_overridden():
+    from histate.sim.admission import engine_profile
+    base = EngineConfig()
+    assert engine_profile(make_policy("histate"), QWEN35_9B, base, P).engine.mixed_batches is False
+    vllm = engine_profile(make_policy("vllm-disk"), QWEN35_9B, base, P)
+    assert (vllm.engine.chunk_rule, vllm.block_num_tokens, vllm.working_states) == ("vllm", 576, 1)
+    assert engine_profile(make_policy("marconi"), QWEN35_9B, base, P).block_num_tokens == P
+    what_if = engine_profile(make_policy("histate"), QWEN35_9B, base, P, engine="vllm")
+    assert what_if.grows and what_if.block_num_tokens == P  # page-granular policy on vLLM's scheduler
+    with pytest.raises(ValueError, match="unknown engine"):
+        engine_profile(make_policy("histate"), QWEN35_9B, base, P, engine="trt")

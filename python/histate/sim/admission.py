@@ -53,17 +53,22 @@ class EngineProfile:
     grows: bool                  # memory allocated step by step, with preemption (vLLM)
 
 
-def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens: int) -> EngineProfile:
-    """The profile of the engine `policy` runs on (`Policy.engine`), on top of `base`'s budget,
-    batch limit and I/O unit."""
-    if policy.engine == "vllm":
+ENGINES = ("sglang", "vllm")
+
+
+def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens: int,
+                   engine: Optional[str] = None) -> EngineProfile:
+    """The profile of the engine `policy` runs on (`Policy.engine`, or `engine` for a what-if), on
+    top of `base`'s budget, batch limit and I/O unit."""
+    name = engine or policy.engine
+    if name == "vllm":
         block = vllm_hybrid_blocks(model).block_num_tokens if policy.block_granular else page_num_tokens
         return EngineProfile("vllm", replace(base, mixed_batches=True, chunk_rule="vllm", block_num_tokens=block),
                              block, 1, grows=True)
-    if policy.engine == "sglang":
+    if name == "sglang":
         return EngineProfile("sglang", replace(base, mixed_batches=False, chunk_rule="none"), 1,
                              SGLANG_WORKING_STATES, grows=False)
-    raise ValueError(f"policy {policy.name!r}: unknown engine {policy.engine!r}")
+    raise ValueError(f"policy {policy.name!r}: unknown engine {name!r}; known: {', '.join(ENGINES)}")
 
 
 class _Held:

@@ -51,6 +51,7 @@ class ReplayConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline
     hardware_spec: Optional[HardwareSpec] = None  # overrides the `hardware` preset (other link speeds)
+    engine_name: Optional[str] = None  # serve every policy with this engine's scheduler (what-if); None: its own
 
     def resolved_hardware(self) -> HardwareSpec:
         return self.hardware_spec if self.hardware_spec is not None else get_hardware(self.hardware)
@@ -90,7 +91,7 @@ class _Replay:
         rules = make_policy(policy)
         model = get_model(config.model)
         self.cache = HybridPrefixCache(config.cache_config(workload.page_num_tokens, rules), rules)
-        self.profile = engine_profile(rules, model, config.engine, workload.page_num_tokens)
+        self.profile = engine_profile(rules, model, config.engine, workload.page_num_tokens, config.engine_name)
         self.gate = CacheGate(self.cache, self.profile, self._charge_writes)
         self.engine = Engine(model, config.resolved_hardware(), self.profile.engine, config.step_cost, self.gate)
         self.policy = policy
