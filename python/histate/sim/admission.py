@@ -129,30 +129,27 @@ class CacheGate(MemoryGate):
         held = self.held[req.request_id]
         request, cache = held.request, self.cache
         keys = request.keys_through(context_num_tokens // self.page_num_tokens)
-        match = cache.match(keys)
-        reused = min(match.num_reused_pages * self.page_num_tokens, context_num_tokens)
-        compute = context_num_tokens - reused
-        if self.profile.grows:  # vLLM: the first step's blocks (the rest is allocated step by step)
-            kv_tokens = self._blocks(reused + min(compute, self.profile.engine.token_budget_per_step)) - reused
-        else:  # SGLang: extend + decode, promised at once
-            kv_tokens = compute + max(0, request.input_num_tokens + request.output_num_tokens - context_num_tokens)
-        kv_bytes = kv_tokens * self.kv_bytes_per_token
         state_bytes = self.profile.working_states * self.state_bytes
-        if not idle and not self._fits(match, kv_bytes, state_bytes):
-            self.stats.refusals += 1
-            return None
+        if not idle and not self._fits(self._need_bytes(request, context_num_tokens, None), state_bytes):
+            # the bound (whatever the request reuses) fails; vLLM's exact need depends on the match
+            exact = self._need_bytes(request, context_num_tokens, cache.match(keys)) if self.profile.grows else None
+            if exact is None or not self._fits(exact, state_bytes):
+                self.stats.refusals += 1
+                return None
         lease = cache.begin_request(keys, now_s)
+        m = lease.match
+        reused = min(m.num_reused_pages * self.page_num_tokens, context_num_tokens)
+        kv_bytes = self._need_bytes(request, context_num_tokens, m) - reused * self.kv_bytes_per_token
         if not self._promise(held, kv_bytes, state_bytes, now_s, idle):
             cache.abort_request(lease)
             self.stats.refusals += 1
             return None
         held.lease = lease
         if held.first_match is None:
-            held.first_match = lease.match
+            held.first_match = m
         self.stats.admissions += 1
         self.on_cache_change(now_s)
-        m = lease.match
-        return EngineRequest(req.request_id, compute, context_num_tokens, req.output_num_tokens,
+        return EngineRequest(req.request_id, context_num_tokens - reused, context_num_tokens, req.output_num_tokens,
                              m.kv_bytes_by_tier, m.checkpoint_size_bytes, m.checkpoint_tier)
 
     def grow(self, request_id: Hashable, num_tokens: int, now_s: float, force: bool) -> bool:
@@ -186,12 +183,25 @@ class CacheGate(MemoryGate):
         block = self.profile.block_num_tokens
         return -(-num_tokens // block) * block
 
-    def _fits(self, match: MatchResult, kv_bytes: int, state_bytes: int) -> bool:
-        """Free + evictable GPU memory covers the new KV and states, the reused KV that comes back to
-        the GPU, and the GPU-resident prefix the request will pin (no longer evictable)."""
+    def _need_bytes(self, request: Request, context_num_tokens: int, match: Optional[MatchResult]) -> int:
+        """GPU KV bytes an admission takes: the reused prefix (pinned, or loaded back from CPU/SSD)
+        plus what the engine allocates for the rest. SGLang allocates the whole extend and output,
+        so the sum does not depend on the match; vLLM the first step's blocks (`match` None: an
+        upper bound, every block through `context_num_tokens`)."""
+        P = self.page_num_tokens
+        if not self.profile.grows:
+            remaining_output = max(0, request.input_num_tokens + request.output_num_tokens - context_num_tokens)
+            return (context_num_tokens + remaining_output) * self.kv_bytes_per_token
+        if match is None:
+            return self._blocks(context_num_tokens) * self.kv_bytes_per_token
+        reused = min(match.num_reused_pages * P, context_num_tokens)
+        first_step = min(context_num_tokens - reused, self.profile.engine.token_budget_per_step)
+        return self._blocks(reused + first_step) * self.kv_bytes_per_token
+
+    def _fits(self, kv_need: int, state_bytes: int) -> bool:
+        """Free + evictable GPU memory covers `kv_need` (which counts the prefix the request will pin
+        or load back: it stops being evictable) and the working states."""
         cache = self.cache
-        pinned_or_loaded = sum(match.kv_bytes_by_tier.values())
-        kv_need = kv_bytes + pinned_or_loaded
         kv_room = cache.free_bytes(Tier.GPU, ItemKind.KV) + cache.evictable_bytes(Tier.GPU, ItemKind.KV)
         if cache.ledger.pool_of(Tier.GPU, ItemKind.KV) == cache.ledger.pool_of(Tier.GPU, ItemKind.CHECKPOINT):
             return kv_need + state_bytes <= kv_room
