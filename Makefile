@@ -17,7 +17,7 @@ $(STAMP): python/pyproject.toml constraints/cpu.txt Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) -e "python[sim,storage,test,reference,sglang]"
+	$(PIP) -e "python[sim,storage,test,reference,sglang,bench]"
 	# State-capture kernels (pure Python; triton only imported on CUDA, never installed here).
 	$(PIP) -e sgl-kernel-ext
 	# SGLang without its dependency tree (it would pull CUDA torch, sgl-kernel, flashinfer ...).

@@ -1,13 +1,15 @@
 """`histate` command line: `histate replay` answers "what hit rate and TTFT would each cache policy
-give on my trace, with my GPU/CPU/SSD budgets?" (docs/results.md shows the paper preset)."""
+give on my trace, with my GPU/CPU/SSD budgets?" (docs/results.md shows the paper preset);
+`histate bench` measures the same workload on a live server, `histate compare` puts runs side by side
+and `histate serve` is a CPU server (the reference executor) to bench against (docs/bench.md)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from .core import available_policies
-from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S
+from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, available_policies
 
 GiB = 2**30
 
@@ -78,7 +80,108 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", type=Path, default=Path("out/replay"), help="directory for summary.json, requests.csv and plots (out/replay)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bars")
+    out.add_argument("--explain", type=_policies, metavar="POLICY[,POLICY]",
+                     help="attribute every token each named policy lost against `unlimited` and against the "
+                          "other named policies to its cause (KV evicted, state evicted, no checkpoint near the hit, ...); "
+                          "prints a table and writes explain.json (adds `unlimited` to --policies)")
+    _add_bench_parser(sub, workload_group=src)
+    _add_compare_parser(sub)
+    _add_serve_parser(sub)
     return ap
+
+
+def _positive(kind):
+    """argparse type: a number of `kind` (int or float) that must be > 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
+        return value
+    return parse
+
+
+def _int_list(text: str) -> tuple:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError("token counts must be >= 0")
+    return values
+
+
+def _add_bench_parser(sub, workload_group) -> None:
+    b = sub.add_parser(
+        "bench", help="replay the same workloads against a live server and measure TTFT and cache hits",
+        description="Replay agent sessions closed-loop against a running server (SGLang /generate or an "
+                    "OpenAI-compatible /v1/completions), with the same workloads, admission and report "
+                    "schema as `histate replay`; or, with --calibrate, measure the server's prefill latency "
+                    "for `histate replay --calibration`. See docs/bench.md.")
+    # The workload flags are replay's own (same names, defaults and meaning): bench feeds them to the
+    # same load_workload(), so they are shared, not restated.
+    shared = b.add_argument_group(workload_group.title)
+    for action in workload_group._group_actions:
+        shared._add_action(action)
+    scale = b.add_argument_group("scaling and admission")
+    scale.add_argument("--token-scale", type=_positive(float), default=1.0,
+                       help="merge every 1/s pages into one (0.0625: 16 pages -> 1); outputs scale too (1)")
+    scale.add_argument("--time-scale", type=float, default=1.0, help="multiply every think/tool gap (1)")
+    scale.add_argument("--max-live-sessions", type=_positive(int), default=24, help="live root sessions at once (24)")
+    server = b.add_argument_group("server")
+    server.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:30000")
+    server.add_argument("--backend", choices=("sglang", "openai"), default="sglang",
+                        help="sglang: POST /generate (input_ids, meta_info.cached_tokens); openai: POST "
+                             "/v1/completions with token-id prompts (vLLM, SGLang) (sglang)")
+    server.add_argument("--model", help="model name for --backend openai (default: the first of /v1/models)")
+    server.add_argument("--vocab-size", type=_positive(int),
+                        help="token ids are drawn below this (default: the server's when it says, else 32000)")
+    server.add_argument("--request-timeout", type=_positive(float), default=600.0, help="seconds per request (600)")
+    server.add_argument("--retries", type=int, default=2, help="retries of a request that failed before its first token (2)")
+    server.add_argument("--no-flush", action="store_true", help="do not empty the server's prefix cache first")
+    cal = b.add_argument_group("calibration (instead of a workload)")
+    cal.add_argument("--calibrate", type=Path, metavar="CSV", help="measure prefill latency into CSV and exit")
+    cal.add_argument("--calibrate-contexts", type=_int_list, help="cached context lengths, tokens (0,2048,4096,8192)")
+    cal.add_argument("--calibrate-lengths", type=_int_list, help="new-token counts (64,512,2048,8192)")
+    cal.add_argument("--calibrate-reps", type=_positive(int), default=2, help="repetitions of the grid (2)")
+    out = b.add_argument_group("output")
+    out.add_argument("--label", help="name of this run in the report (default: the server's policy, else 'live')")
+    out.add_argument("--out", type=Path, default=Path("out/bench"), help="directory for summary.json, requests.csv and plots (out/bench)")
+    out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_compare_parser(sub) -> None:
+    c = sub.add_parser("compare", help="runs of replay and bench side by side (e.g. sim vs live per policy)",
+                       description="Print hit rate and TTFT p50/p95/mean per policy for every run directory "
+                                   "(output of `histate replay` or `histate bench`), with TTFT ratios and hit-rate "
+                                   "differences against the policy's first run, and plot the TTFT CDFs.")
+    c.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="run directories; the first is the reference")
+    c.add_argument("--labels", help="comma-separated names of the runs (default: directory names)")
+    c.add_argument("--out", type=Path, help="write compare.json and ttft_cdf_compare.png here")
+    c.add_argument("--no-plots", action="store_true", help="skip the plot")
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the reference executor (tiny Qwen3.5 on CPU) over SGLang's /generate",
+                       description="A real server on CPU to bench against: the tiny random-weight Qwen3.5 of "
+                                   "histate.reference, its KV and recurrent checkpoints placed in GPU/CPU/SSD tiers "
+                                   "by the chosen cache policy, SSD on disk. Serves POST /generate (SGLang subset) "
+                                   "and POST /v1/completions (token-id prompts), one request at a time.")
+    s.add_argument("--policy", default="histate", help="cache policy, or 'none' for no reuse (histate)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    s.add_argument("--port", type=int, default=30000, help="port (30000, SGLang's default)")
+    s.add_argument("--gpu-mib", type=_positive(float), default=64.0, help="'GPU' tier (model device) budget, MiB (64)")
+    s.add_argument("--cpu-mib", type=_positive(float), default=256.0, help="CPU tier budget, MiB (256)")
+    s.add_argument("--ssd-mib", type=_positive(float), default=1024.0, help="SSD tier budget, MiB (1024)")
+    s.add_argument("--ssd-dir", type=Path, help="where the SSD tier's files go (default: a temporary directory)")
+    s.add_argument("--ssd-backend", choices=("auto", "nixl", "file"), default="auto", help="SSD I/O backend (auto)")
+    s.add_argument("--max-context", type=_positive(int), default=16384, help="longest prompt accepted, tokens (16384)")
+    s.add_argument("--threads", type=_positive(int), default=1, help="torch threads of the model (1)")
+    s.add_argument("--check-mirror", action="store_true",
+                   help="after every request, check that each tier holds exactly what the policy placed there")
 
 
 def load_workload(args):
@@ -131,22 +234,132 @@ def replay_command(args) -> int:
     print(f"workload {workload.name}: {stats.sessions} sessions (+{stats.subagent_sessions} subagents), "
           f"{stats.requests} requests, {stats.input_tokens / 1e6:.1f}M input tokens; dropped by max-context "
           f"{stats.requests_over_context} requests; malformed skipped {stats.malformed_skipped}")
-    runs = replay_policies(workload, args.policies, config, progress=not args.no_progress)
+    logs, policies = {}, list(args.policies)
+    if args.explain:
+        from .sim.explain import EvictionLog
+
+        logs = {name: EvictionLog() for name in args.explain}
+        policies += [p for p in (*args.explain, "unlimited") if p not in policies]
+    runs = replay_policies(workload, policies, config, progress=not args.no_progress, observers=logs)
     summary = build_summary(runs)
     print(format_table(summary))
     for name, run in runs.items():
         n = len(run.records)
         print(f"  {name}: replayed {n} requests in {run.wall_s:.1f} s ({n / max(run.wall_s, 1e-9):,.0f} req/s)")
     written = write_outputs(runs, summary, args.out, plots=not args.no_plots)
+    if logs:
+        from .sim.explain import explain, format_explain
+
+        report = explain(workload, runs, logs, references=("unlimited", *args.explain))
+        print(format_explain(report))
+        path = args.out / "explain.json"
+        path.write_text(json.dumps(report, indent=1))
+        written.append(path)
     print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def bench_command(args) -> int:
+    from .bench.backends import BenchError
+    from .bench.run import BenchOptions, check_base_url, report, run_bench
+    from .bench.scaling import scale_workload
+    from .bench.sessions import RetryPolicy
+    from .sim.replay import ReplayConfig
+
+    try:
+        check_base_url(args.base_url)
+        if args.retries < 0:
+            raise BenchError(f"--retries must be >= 0, got {args.retries}")
+        admission = ReplayConfig(max_live_sessions=args.max_live_sessions, max_sessions=args.max_sessions,
+                                 seed=args.seed)
+        options = BenchOptions(args.base_url, args.backend, args.model, args.vocab_size, args.label, admission,
+                               RetryPolicy(max_attempts=args.retries + 1), args.request_timeout,
+                               flush_cache=not args.no_flush, progress=not args.no_progress)
+        if args.calibrate:
+            return _calibrate(args, options)
+        workload = scale_workload(load_workload(args), args.token_scale, args.time_scale)
+    except (BenchError, ValueError, OSError) as err:
+        print(f"histate bench: error: {err}", file=sys.stderr)
+        return 2
+    stats = workload.stats
+    print(f"workload {workload.name}: {stats.sessions} sessions (+{stats.subagent_sessions} subagents), "
+          f"{stats.requests} requests, {stats.input_tokens / 1e6:.2f}M input tokens")
+    try:
+        result = run_bench(workload, options)
+    except BenchError as err:
+        print(f"histate bench: error: {err}", file=sys.stderr)
+        return 2
+    report(result, args.out, plots=not args.no_plots)
+    return 130 if result.interrupted else 0
+
+
+def _calibrate(args, options) -> int:
+    from .bench.calibrate import DEFAULT_CONTEXTS, DEFAULT_LENGTHS, calibrate_server
+    from .sim.costs import PrefillProfile
+
+    contexts = args.calibrate_contexts or DEFAULT_CONTEXTS
+    lengths = args.calibrate_lengths or DEFAULT_LENGTHS
+    if min(lengths) < 1:
+        raise ValueError("--calibrate-lengths: every new-token count must be >= 1")
+    calibrate_server(options, contexts, lengths, args.calibrate_reps, args.calibrate)
+    profile = PrefillProfile.from_csv(args.calibrate)
+    print(f"wrote {args.calibrate}: {profile.num_points} points, fit max relative error "
+          f"{profile.max_relative_error:.1%}")
+    return 0
+
+
+def compare_command(args) -> int:
+    from .bench.compare import compare, format_comparison, write_comparison
+
+    labels = [x.strip() for x in args.labels.split(",")] if args.labels else []
+    try:
+        table = compare(args.dirs, labels)
+        print(format_comparison(table))
+        if args.out:
+            written = write_comparison(table, args.dirs, labels, args.out, plots=not args.no_plots)
+            print("wrote " + ", ".join(str(p) for p in written))
+    except (ValueError, OSError) as err:
+        print(f"histate compare: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def serve_command(args) -> int:
+    from .core import Tier
+
+    MiB = 2**20
+    try:
+        from .serve.engine import ServeConfig, ServingEngine
+        from .serve.http import run_forever
+
+        config = ServeConfig(args.policy, {Tier.GPU: int(args.gpu_mib * MiB), Tier.CPU: int(args.cpu_mib * MiB),
+                                           Tier.SSD: int(args.ssd_mib * MiB)},
+                             args.ssd_dir, args.ssd_backend, args.max_context, check_mirror=args.check_mirror,
+                             num_threads=args.threads)
+        if not 0 <= args.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        engine = ServingEngine(config)
+    except (ValueError, OSError, ImportError) as err:
+        print(f"histate serve: error: {err}", file=sys.stderr)
+        return 2
+    info = engine.info()
+    print(f"histate serve: policy {args.policy}, {info['model_path']}, vocab {info['vocab_size']}, "
+          f"http://{args.host}:{args.port}", flush=True)
+    try:
+        run_forever(engine, args.host, args.port)
+    except OSError as err:
+        print(f"histate serve: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()
     return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "replay":
-        return replay_command(args)
-    return 2
+    commands = {"replay": replay_command, "bench": bench_command, "compare": compare_command,
+                "serve": serve_command}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from .cache import HybridPrefixCache, InsertResult, RequestLease, make_cache
 from .config import (DEFAULT_CHUNK_PAGES, DEFAULT_EMA_ALPHA, DEFAULT_FIXED_INTERVAL_PAGES, DEFAULT_INTERVALS_PAGES,
                      DEFAULT_INTERVALS_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR, STATE_GRID_TOKENS, CacheConfig)
 from .interval import Ema, IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
+from .observer import CacheObserver
 from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
 from .policy_state import PolicyState
 from .scoring import ScoringContext
@@ -16,7 +17,7 @@ from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, Con
 from .victims import VictimHeap, reoffer
 
 __all__ = [
-    "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheStats", "ConfigError", "DEFAULT_CHUNK_PAGES",
+    "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheObserver", "CacheStats", "ConfigError", "DEFAULT_CHUNK_PAGES",
     "DEFAULT_EMA_ALPHA", "DEFAULT_FIXED_INTERVAL_PAGES", "DEFAULT_INTERVALS_PAGES", "DEFAULT_INTERVALS_TOKENS",
     "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MatchResult", "Policy", "PolicyState",

@@ -15,16 +15,18 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .config import CacheConfig
+from .config import NEAR_END_WINDOW_PAGES, CacheConfig
 from .eviction import Evictor
 from .items import ItemBook
 from .ledger import Ledger, PartitionedLedger
+from .observer import CacheObserver
 from .placement import Placement, TierPlan
 from .policies import Policy, make_policy
 from .policy_state import PolicyState
 from .stats import CacheStats
 from .tree import Node, RadixTree
 from .types import GPU_BIT, HiStateError, ItemKind, MatchResult, Tier, TierOp, fastest_tier
+from .units import end_offset_pages
 
 
 @dataclass
@@ -53,15 +55,32 @@ class HybridPrefixCache:
         self.stats = CacheStats()
         self.state = PolicyState(policy, config)
         plan = TierPlan(policy, self.ledger)
-        self.book = ItemBook(config, self.ledger, self.stats, self._on_checkpoint_put)
+        self.book = ItemBook(config, self.ledger, self.stats, self._on_checkpoint_put, self._on_item_gone)
         self.evictor = Evictor(self.tree, self.book, self.state, plan)
         self.placement = Placement(self.book, self.evictor, plan)
         self.num_open_leases = 0
         self.last_now_s = 0.0  # the latest time a caller passed in (injected clock, never wall time)
+        self._observer: Optional[CacheObserver] = None
 
-    def _on_checkpoint_put(self, node: Node, tier: Tier) -> None:
+    @property
+    def observer(self) -> Optional[CacheObserver]:
+        """A `CacheObserver` told of evictions, vanished items and new checkpoints (diagnosis)."""
+        return self._observer
+
+    @observer.setter
+    def observer(self, observer: Optional[CacheObserver]) -> None:
+        self._observer = observer
+        self.evictor.observer = observer
+
+    def _on_checkpoint_put(self, node: Node, tier: Tier, action: str) -> None:
         if tier == self.policy.historical_tier:
             self.state.on_state_written(self.last_now_s)
+        if self._observer is not None and action == "put":
+            self._observer.on_checkpoint_put(node, tier, self.last_now_s)
+
+    def _on_item_gone(self, node: Node, kind: ItemKind) -> None:
+        if self._observer is not None:
+            self._observer.on_item_gone(node, kind, self.last_now_s)
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -118,10 +137,11 @@ class HybridPrefixCache:
         else:
             ckpt_tier = fastest_tier(ckpt_node.ckpt_mask) if ckpt_node is not None else None
             terminal = ckpt_node is not None and not ckpt_node.children
+        diverged_in = partial if partial is not None else (path[-1] if path else None)
         result = MatchResult(
             num_kv_pages=m, num_reused_pages=c, kv_bytes_by_tier=kv_bytes, checkpoint_tier=ckpt_tier,
             checkpoint_size_bytes=self.config.checkpoint_size_bytes if ckpt_tier is not None else 0,
-            is_terminal_hit=terminal)
+            is_terminal_hit=terminal, end_offset_pages=end_offset_pages(diverged_in, m, NEAR_END_WINDOW_PAGES))
         return result, path, partial, ckpt_node
 
     # --- request life cycle ------------------------------------------------------------------
@@ -138,7 +158,7 @@ class HybridPrefixCache:
         self._lock(lock_node, +1)
         self.num_open_leases += 1
         self.state.refresh(path if partial is None else path + [partial], path, ckpt_node, now_s)
-        self.state.observe_match(result.num_kv_pages, result.is_terminal_hit)
+        self.state.observe_match(result.num_kv_pages, result.end_offset_pages)
         self.stats.on_match(result, len(keys))
         for node in path:
             if node.depth_pages > result.num_reused_pages:

@@ -31,6 +31,12 @@ DEFAULT_EMA_ALPHA = 0.1
 DEFAULT_TERMINAL_HIT_PRIOR = 0.9
 """Prior of the EMA of hits that land on a terminal checkpoint (appends dominate agent traffic)."""
 
+NEAR_END_WINDOW_PAGES = 8
+"""Offsets before a trajectory's end (pages) whose hit probability is learned separately (policy_state.py:
+the reuse-position prior). On the Weka traces 4.4% of reused pages come from requests that leave the
+previous request's context exactly one page before its end and 0.8% two to four pages before it
+(docs/results.md), so a window of 8 pages covers what was seen with room to spare."""
+
 DEFAULT_CHUNK_PAGES = 128
 """Chunked-prefill size in 64-token pages: SGLang's 8192-token default on 80 GB GPUs
 (sglang/srt/arg_groups/memory_hook.py), where SGLang keeps a state per chunk."""

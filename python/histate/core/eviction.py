@@ -50,6 +50,7 @@ class Evictor:
         self.scan_victims = policy.scan_victims
         ledger = book.ledger
         self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
+        self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
         self._deferred: dict = {}  # id -> node whose re-rank waits for the end of the pass
         self._pass_depth = 0  # make_room nests (demotion makes room below): flush at the outermost
         self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
@@ -156,6 +157,8 @@ class Evictor:
                 and ledger.pool_of(tier, ItemKind.KV) != ledger.pool_of(tier, ItemKind.CHECKPOINT))
 
     def evict_unit(self, node: Node, unit: UnitKind, tier: Tier, now_s: float) -> None:
+        if self.observer is not None:
+            self.observer.on_unit_evicted(node, unit, tier, now_s, self.state.score_terms(node, unit, 1 << tier))
         book = self.book
         bit = 1 << tier
         takes_kv = unit is UnitKind.BUNDLE or (self.state_evicts_leaf and self._takes_leaf(node, tier))

@@ -6,10 +6,17 @@ supported set, with
     C_recomp(I) = (1/L) * sum_{t=1}^{L-1} (t mod I)     (uniform hit position, p_t = 1/L)
 Both are in pages. n_int(I) = ceil(L/I) - 1 counts the intermediate checkpoints exactly (the paper's
 L/I also counts the terminal one, which is kept whatever I is, so it cannot change the argmin).
+
+With a learned reuse-position prior (policy_state.py), p_t is no longer uniform near the segment's end:
+an interior hit lands k pages before the end with probability p'_k and uniformly elsewhere with the
+rest, u = 1 - sum(p'). Eq. 3 then becomes u * C_recomp(I) + sum_k p'_k * (distance from L - k back to
+the nearest checkpoint), and eq. 5 also chooses which near-end positions L - k get a checkpoint
+(`plan_positions`). With no learned mass it is the paper's rule, position for position.
 """
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from typing import Optional, Sequence
 
 
@@ -52,6 +59,50 @@ def choose_interval_pages(
     return best_i
 
 
+def near_end_recompute_pages(end_pages: int, near_end_probs: Sequence[float], checkpoints: Sequence[int]) -> float:
+    """sum_k p'_k * ((end - k) - nearest checkpoint <= end - k), over near-end positions after the
+    segment start. `checkpoints` is sorted and starts with the segment start."""
+    cost = 0.0
+    start = checkpoints[0]
+    for k, prob in enumerate(near_end_probs, start=1):
+        pos = end_pages - k
+        if pos <= start or not prob:
+            continue
+        cost += prob * (pos - checkpoints[bisect_right(checkpoints, pos) - 1])
+    return cost
+
+
+def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: float, pressure_ratio: float,
+                   supported: Sequence[int], near_end_probs: Sequence[float] = ()) -> list[int]:
+    """Eq. 5 over the interval grid and the near-end positions together: for each supported interval,
+    add near-end checkpoints greedily while each lowers C_mem + C_recomp; keep the cheapest plan.
+    Ties go to the larger interval. Returns the intermediate positions (the terminal is not included)."""
+    num_pages = end_pages - start_pages
+    uniform = 1.0 - sum(near_end_probs)
+    one = pressure_ratio * checkpoint_pages_equiv  # C_mem of one checkpoint
+    best_cost, best_plan = math.inf, []
+    for interval in sorted(supported, reverse=True):
+        grid = list(range(start_pages + interval, end_pages, interval))
+        chosen = [start_pages] + grid
+        cost = one * len(grid) + uniform * recompute_cost_pages(num_pages, interval)
+        if near_end_probs:
+            cost += near_end_recompute_pages(end_pages, near_end_probs, chosen)
+            candidates = {end_pages - k for k, prob in enumerate(near_end_probs, start=1)
+                          if prob > 0 and start_pages < end_pages - k} - set(grid)
+            while candidates:
+                trial = min(((one + cost - near_end_recompute_pages(end_pages, near_end_probs, chosen)
+                              + near_end_recompute_pages(end_pages, near_end_probs, sorted(chosen + [c])), c)
+                             for c in candidates))
+                if trial[0] >= cost - 1e-12:
+                    break
+                cost = trial[0]
+                chosen = sorted(chosen + [trial[1]])
+                candidates.discard(trial[1])
+        if cost < best_cost:
+            best_cost, best_plan = cost, chosen[1:]
+    return best_plan
+
+
 def continuous_optimum_pages(num_pages: int, checkpoint_pages_equiv: float, pressure_ratio: float) -> float:
     """Eq. 6: sqrt(2 L N_s T_KV/T_state), for documentation and tests of the discrete choice."""
     return math.sqrt(2.0 * num_pages * checkpoint_pages_equiv * pressure_ratio)
@@ -85,11 +136,15 @@ class IntervalController:
             return 1.0
         return kv / st
 
-    def plan(self, start_pages: int, end_pages: int, now_s: Optional[float] = None) -> list[int]:
+    def plan(self, start_pages: int, end_pages: int, now_s: Optional[float] = None,
+             near_end_probs: Sequence[float] = ()) -> list[int]:
         """Checkpoint depths for the segment (start, end]; the terminal `end_pages` always included."""
         num_pages = end_pages - start_pages
         if num_pages <= 0:
             return []
         ratio = self.pressure_ratio(now_s)
-        interval = choose_interval_pages(num_pages, self.checkpoint_pages_equiv, ratio, self.supported)
-        return list(range(start_pages + interval, end_pages, interval)) + [end_pages]
+        if not any(near_end_probs):
+            interval = choose_interval_pages(num_pages, self.checkpoint_pages_equiv, ratio, self.supported)
+            return list(range(start_pages + interval, end_pages, interval)) + [end_pages]
+        return plan_positions(start_pages, end_pages, self.checkpoint_pages_equiv, ratio, self.supported,
+                              near_end_probs) + [end_pages]

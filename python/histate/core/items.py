@@ -18,12 +18,14 @@ from .types import ItemKind, Tier, TierOp, tiers_in
 
 class ItemBook:
     def __init__(self, config: CacheConfig, ledger: Ledger, stats: CacheStats,
-                 on_checkpoint_put: Callable[[Node, Tier], None]):
+                 on_checkpoint_put: Callable[[Node, Tier, str], None],
+                 on_item_gone: Callable[[Node, ItemKind], None]):
         self.config = config
         self.ledger = ledger
         self.stats = stats
         self.ops: list = []
         self._on_checkpoint_put = on_checkpoint_put
+        self._on_item_gone = on_item_gone
         # pools holding a node's copies, per tier mask (pins walk every node of a path: keep it cheap)
         self._kv_pools = tuple(tuple(ledger.pool_of(t, ItemKind.KV) for t in tiers_in(m)) for m in range(8))
         self._ckpt_pools = tuple(tuple(ledger.pool_of(t, ItemKind.CHECKPOINT) for t in tiers_in(m)) for m in range(8))
@@ -49,9 +51,13 @@ class ItemBook:
     def put(self, node: Node, kind: ItemKind, tier: Tier, action: str = "put", src: Optional[Tier] = None) -> None:
         """A new copy in `tier` ("put": new data; "copy": duplicated from `src`, which keeps its own)."""
         self._record(action, node, kind, src, tier, self._add(node, kind, tier))
+        if kind is ItemKind.CHECKPOINT:
+            self._on_checkpoint_put(node, tier, action)
 
     def drop(self, node: Node, kind: ItemKind, tier: Tier) -> None:
         self._record("drop", node, kind, tier, None, self._sub(node, kind, tier))
+        if not (node.kv_mask if kind is ItemKind.KV else node.ckpt_mask):
+            self._on_item_gone(node, kind)
 
     def move(self, node: Node, kind: ItemKind, src: Tier, dst: Tier) -> None:
         self._sub(node, kind, src)
@@ -74,7 +80,6 @@ class ItemBook:
             node.kv_mask |= 1 << tier
         else:
             node.ckpt_mask |= 1 << tier
-            self._on_checkpoint_put(node, tier)
         self.stats.on_write(kind, tier, size)
         return size
 

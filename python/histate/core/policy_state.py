@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .config import CacheConfig
+from .config import NEAR_END_WINDOW_PAGES, CacheConfig
 from .interval import Ema, IntervalController
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
 from .types import UnitKind
-from .units import last_access_s
+from .units import expected_recompute_tokens, last_access_s, reclaim_tokens
 
 
 class PolicyState:
@@ -27,7 +27,11 @@ class PolicyState:
             config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
             config.ema_alpha)
         self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
-        self._ctx = ScoringContext.of(config, self.terminal_hits.value)
+        # The learned reuse-position prior: P(an interior hit lands k pages before its trajectory's end)
+        # for k = 1..window, from observed hits; policies that keep the paper's uniform prior ignore it.
+        self.learns_near_end = getattr(policy, "learns_reuse_positions", False)
+        self.near_end_hits = [Ema(config.ema_alpha, 0.0) for _ in range(NEAR_END_WINDOW_PAGES)]
+        self._ctx = self._context()
 
     # --- scoring (eq. 7) ---------------------------------------------------------------------------
 
@@ -43,6 +47,14 @@ class PolicyState:
     def score(self, node, unit: UnitKind, bit: int) -> float:
         return self.policy.score(self._ctx, node, unit, bit)
 
+    def score_terms(self, node, unit: UnitKind, bit: int) -> tuple:
+        """(t_last_s, C_tokens, M_tokens, score) of eq. 7 for a unit, C and M as HiState defines them
+        whatever the policy (diagnosis: what the unit was worth when it was chosen)."""
+        ctx = self._ctx
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit), cost, reclaim, self.score(node, unit, bit)
+
     @staticmethod
     def bound(node, unit: UnitKind, bit: int) -> float:
         """A lower bound of every policy's score (victims.py pushes entries with it)."""
@@ -50,11 +62,26 @@ class PolicyState:
 
     # --- what a hit teaches ------------------------------------------------------------------------
 
-    def observe_match(self, num_kv_pages: int, is_terminal_hit: bool) -> None:
-        """A request matched: update q, the share of hits that land on a terminal checkpoint."""
-        if num_kv_pages > 0:
-            self.terminal_hits.observe(1.0 if is_terminal_hit else 0.0)
-            self._ctx = ScoringContext.of(self.config, self.terminal_hits.value)
+    @property
+    def near_end_probs(self) -> tuple:
+        """p'_k for k = 1..window (empty for policies with the paper's uniform interior prior)."""
+        return self._ctx.near_end_probs
+
+    def _context(self) -> ScoringContext:
+        probs = tuple(e.value for e in self.near_end_hits) if self.learns_near_end else ()
+        return ScoringContext.of(self.config, self.terminal_hits.value, probs)
+
+    def observe_match(self, num_kv_pages: int, end_offset_pages) -> None:
+        """A request matched: update q (the share of hits that land at a trajectory's end, judged by
+        where the request leaves the cached tree) and the near-end share of the interior hits."""
+        if num_kv_pages <= 0:
+            return
+        terminal = end_offset_pages == 0
+        self.terminal_hits.observe(1.0 if terminal else 0.0)
+        if not terminal and self.learns_near_end:
+            for k, ema in enumerate(self.near_end_hits, start=1):
+                ema.observe(1.0 if end_offset_pages == k else 0.0)
+        self._ctx = self._context()
 
     def refresh(self, kv_path: Sequence, ckpt_path: Sequence, ckpt_node, now_s: float) -> None:
         """Refresh on a hit: KV along the matched path (`kv_path`), the used checkpoint, and for
@@ -85,7 +112,7 @@ class PolicyState:
         if self.policy.dense_checkpoints:
             return []
         ctx = AdmissionContext(start_pages, kv_match_pages, end_pages, self.controller, self.config, now_s,
-                               step_end_pages, output_end_pages)
+                               self._ctx.near_end_probs, step_end_pages, output_end_pages)
         return self.policy.admit(ctx)
 
     # --- residence samples (T_KV, T_state of eq. 4) ------------------------------------------------

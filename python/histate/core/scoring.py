@@ -18,11 +18,14 @@ class ScoringContext:
     checkpoint_token_equiv: float
     """N_s: one checkpoint in tokens of KV (M of a checkpoint unit)."""
     terminal_prob: float
-    """q: EMA of hits that land on a terminal checkpoint; interior positions share 1 - q."""
+    """q: EMA of hits that land at a trajectory's end; interior positions share 1 - q."""
+    near_end_probs: tuple = ()
+    """p'_k, k = 1..window: P(an interior hit lands k pages before its trajectory's end), learned; the
+    rest of the interior mass, 1 - sum(p'), is spread uniformly (the paper's p_t). Empty: uniform."""
     attention_pair_tokens: float = 0.0
     """One attention (query, key) pair in per-token FLOPs (CacheConfig.attention_pair_tokens)."""
 
     @classmethod
-    def of(cls, config, terminal_prob: float) -> "ScoringContext":
+    def of(cls, config, terminal_prob: float, near_end_probs: tuple = ()) -> "ScoringContext":
         return cls(config.tau_s, config.page_num_tokens, config.checkpoint_token_equiv, terminal_prob,
-                   config.attention_pair_tokens)
+                   near_end_probs, config.attention_pair_tokens)

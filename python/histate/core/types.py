@@ -94,6 +94,10 @@ class MatchResult:
     checkpoint_tier: Optional[Tier] = None
     checkpoint_size_bytes: int = 0
     is_terminal_hit: bool = False  # the checkpoint at c ends a trajectory (append-style hit)
+    end_offset_pages: Optional[int] = None
+    """Where the request left the cached tree, in pages before the end of the most recently used
+    trajectory below that point: 0 = at its end (an append), k = k pages before it; None when farther
+    than the near-end window or nothing matched. The evidence behind the learned reuse-position prior."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,11 @@ Units in a pool (a tier, or a (tier, kind) pair under a static split):
               lives in another tier; every checkpoint under a static split).
 
 C (expected extra recompute, tokens) weights each reuse position by its access probability:
-a trajectory's terminal position gets q (EMA of observed terminal hits), the L interior positions of
-the trajectory share 1 - q uniformly. M is what leaves the constrained pool, in tokens of KV.
+a trajectory's terminal position gets q (EMA of observed terminal hits); the interior positions share
+1 - q. The paper spreads that share uniformly over the L positions of the trajectory; HiState's
+learned reuse-position prior (policy_state.py) gives the k-th position before the trajectory's end the
+learned share p'_k of it and spreads only the rest, 1 - sum(p'), uniformly. With no near-end mass
+learned this is exactly the paper's rule. M is what leaves the constrained pool, in tokens of KV.
 """
 from __future__ import annotations
 
@@ -72,7 +75,49 @@ def last_access_s(node: Node, unit: UnitKind, bit: int) -> float:
     return node.kv_access_s
 
 
-def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, page_num_tokens: int) -> float:
+def end_offset_pages(node, match_pages: int, window_pages: int):
+    """Pages from `match_pages` (a position inside `node`'s edge or at its end) to the end of the most
+    recently used trajectory below it, or None when farther than `window_pages` (or no node)."""
+    if node is None:
+        return None
+    offset = node.depth_pages - match_pages
+    while node.children:
+        if offset > window_pages:
+            return None
+        node = max(node.children.values(), key=_kv_access)
+        offset += len(node.keys)
+    return offset if offset <= window_pages else None
+
+
+def _kv_access(node) -> float:
+    return node.kv_access_s
+
+
+def served_near_end_mass(node: Node, near_end_probs: tuple) -> float:
+    """Sum of p'_k over the near-end positions (T - k for the trajectory ends T below) that a checkpoint
+    at the end of `node` serves: those between it and the next checkpoint below on the way to T."""
+    window = len(near_end_probs)
+    base = node.depth_pages
+    mass = 0.0
+    stack = [(child, None) for child in node.children.values()]
+    while stack:
+        n, stop = stack.pop()
+        if stop is None and n.ckpt_mask and n.children:
+            stop = n.depth_pages  # hits at or below here resume from that checkpoint instead
+        if n.children:
+            if stop is None or n.depth_pages - len(n.keys) < stop + window:
+                stack.extend((c, stop) for c in n.children.values())
+            continue
+        end = n.depth_pages
+        first = 1 if stop is None else end - stop + 1  # T - k < stop  <=>  k > T - stop
+        last = min(window, end - base)
+        for k in range(max(1, first), last + 1):
+            mass += near_end_probs[k - 1]
+    return mass
+
+
+def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, page_num_tokens: int,
+                              near_end_probs: tuple = ()) -> float:
     """C_x of eq. 7: extra tokens recomputed, in expectation, if unit x disappears."""
     gap_pages = node.depth_pages - prev_checkpoint_depth(node)
     if unit is UnitKind.BUNDLE:
@@ -83,7 +128,11 @@ def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, 
         return terminal_prob * gap_pages * page_num_tokens
     span_pages = sum(pages_until_checkpoint(c) for c in node.children.values())
     trajectory_pages = node.depth_pages + span_pages
-    return (1.0 - terminal_prob) * gap_pages * span_pages * page_num_tokens / trajectory_pages
+    uniform = 1.0 - sum(near_end_probs)
+    share = uniform * span_pages / trajectory_pages
+    if near_end_probs:
+        share += served_near_end_mass(node, near_end_probs)
+    return (1.0 - terminal_prob) * gap_pages * share * page_num_tokens
 
 
 def reclaim_tokens(node: Node, unit: UnitKind, bit: int, page_num_tokens: int, checkpoint_tokens: float) -> float:

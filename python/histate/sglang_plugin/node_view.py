@@ -51,13 +51,15 @@ class ScoringContext:
     """The core's `ScoringContext` fields (what `Policy.score(ctx, ...)` reads) plus the SSD lookup
     the node views need."""
 
-    __slots__ = ("tau_s", "page_num_tokens", "checkpoint_token_equiv", "terminal_prob", "state_on_ssd")
+    __slots__ = ("tau_s", "page_num_tokens", "checkpoint_token_equiv", "terminal_prob", "near_end_probs",
+                 "state_on_ssd")
 
     def __init__(self, config: Any, terminal_prob: float, state_on_ssd: Callable[[Any], bool]):
         self.tau_s = config.tau_s
         self.page_num_tokens = config.page_num_tokens
         self.checkpoint_token_equiv = config.checkpoint_token_equiv
         self.terminal_prob = terminal_prob
+        self.near_end_probs = ()  # the paper's uniform interior prior until the plugin uses PolicyState
         self.state_on_ssd = state_on_ssd
 
 

@@ -97,8 +97,10 @@ class CacheGate(MemoryGate):
     """The engine's memory, backed by a `histate.core` cache (module docstring)."""
 
     def __init__(self, cache: HybridPrefixCache, profile: EngineProfile,
-                 on_cache_change: Callable[[float], None] = lambda now_s: None) -> None:
+                 on_cache_change: Callable[[float], None] = lambda now_s: None, observer=None) -> None:
+        """`observer`: an explain.EvictionLog, told which request each cache call serves."""
         self.cache = cache
+        self.observer = observer
         self.profile = profile
         self.page_num_tokens = cache.config.page_num_tokens
         self.kv_bytes_per_token = cache.config.kv_bytes_per_token
@@ -119,6 +121,7 @@ class CacheGate(MemoryGate):
     def finish(self, uid: Hashable, step_end_tokens: list, now_s: float) -> None:
         """The request's last token is out: its memory goes back and the cache keeps what the engine
         keeps (prompt and output pages, states where the policy's engine has them)."""
+        self._serving(uid)
         held = self.held.pop(uid)
         request = held.request
         kv_tokens = request.input_num_tokens + max(0, request.output_num_tokens - 1)  # the last token has no KV
@@ -126,6 +129,7 @@ class CacheGate(MemoryGate):
 
     # --- MemoryGate ----------------------------------------------------------------------------------
     def admit(self, req: EngineRequest, context_num_tokens: int, now_s: float, idle: bool) -> Optional[EngineRequest]:
+        self._serving(req.request_id)
         held = self.held[req.request_id]
         request, cache = held.request, self.cache
         keys = request.keys_through(context_num_tokens // self.page_num_tokens)
@@ -155,6 +159,7 @@ class CacheGate(MemoryGate):
     def grow(self, request_id: Hashable, num_tokens: int, now_s: float, force: bool) -> bool:
         if not self.profile.grows:
             return True  # SGLang promised the whole request at admission
+        self._serving(request_id)
         held = self.held[request_id]
         reused = held.lease.match.num_reused_pages * self.page_num_tokens
         need = (self._blocks(num_tokens) - reused) * self.kv_bytes_per_token - held.kv_bytes
@@ -173,11 +178,16 @@ class CacheGate(MemoryGate):
     def preempt(self, request_id: Hashable, num_computed_tokens: int, step_end_tokens: list, now_s: float) -> None:
         """vLLM frees the request's blocks; the full ones it computed stay in the prefix cache
         (`_preempt_request` -> `KVCacheManager.free`), so what it computed is offered to the cache."""
+        self._serving(request_id)
         held = self.held[request_id]
         self.stats.preemptions += 1
         self._insert(held, held.request.input_num_tokens, num_computed_tokens, step_end_tokens, now_s)
 
     # --- internals -----------------------------------------------------------------------------------
+    def _serving(self, uid: Hashable) -> None:
+        if self.observer is not None:
+            self.observer.set_request(uid)
+
     def _blocks(self, num_tokens: int) -> int:
         """`num_tokens` rounded up to whole allocation blocks."""
         block = self.profile.block_num_tokens

@@ -85,14 +85,17 @@ class _SessionRun:
 class _Replay:
     """One policy's replay; `run()` returns its PolicyRun. Not reusable."""
 
-    def __init__(self, workload: Workload, policy: str, config: ReplayConfig, on_request_done: Callable):
+    def __init__(self, workload: Workload, policy: str, config: ReplayConfig, on_request_done: Callable,
+                 observer=None):
         self.workload, self.config = workload, config
         self.page_num_tokens = workload.page_num_tokens
         rules = make_policy(policy)
         model = get_model(config.model)
         self.cache = HybridPrefixCache(config.cache_config(workload.page_num_tokens, rules), rules)
         self.profile = engine_profile(rules, model, config.engine, workload.page_num_tokens, config.engine_name)
-        self.gate = CacheGate(self.cache, self.profile, self._charge_writes)
+        self.cache.observer = observer
+        self.observer = observer  # an explain.EvictionLog: the gate tells it which request each cache call serves
+        self.gate = CacheGate(self.cache, self.profile, self._charge_writes, observer)
         self.engine = Engine(model, config.resolved_hardware(), self.profile.engine, config.step_cost, self.gate)
         self.policy = policy
         self.on_request_done = on_request_done
@@ -211,18 +214,21 @@ class _Replay:
 
 
 def replay(workload: Workload, policy: str, config: ReplayConfig = ReplayConfig(),
-           on_request_done: Callable = lambda: None) -> PolicyRun:
-    return _Replay(workload, policy, config, on_request_done).run()
+           on_request_done: Callable = lambda: None, observer=None) -> PolicyRun:
+    """One policy's replay. `observer`: an explain.EvictionLog recording why reuse was lost."""
+    return _Replay(workload, policy, config, on_request_done, observer).run()
 
 
 def replay_policies(workload: Workload, policies: Sequence[str], config: ReplayConfig = ReplayConfig(),
-                    progress: bool = True) -> dict:
-    """Every policy on the same workload and admission order; a progress bar per policy."""
+                    progress: bool = True, observers: Optional[dict] = None) -> dict:
+    """Every policy on the same workload and admission order; a progress bar per policy.
+    `observers`: policy name -> explain.EvictionLog for the policies being explained."""
     runs = {}
+    observers = observers or {}
     num_requests = _num_admitted_requests(workload, config)
     for name in policies:
         bar = _progress_bar(num_requests, name) if progress else None
-        runs[name] = replay(workload, name, config, bar.update if bar else (lambda: None))
+        runs[name] = replay(workload, name, config, bar.update if bar else (lambda: None), observers.get(name))
         if bar:
             bar.close()
     return runs

@@ -32,6 +32,7 @@ class AdmissionContext:
     controller: object  # IntervalController
     config: object  # CacheConfig
     now_s: float = 0.0
+    near_end_probs: tuple = ()  # learned reuse-position prior near the segment's end (PolicyState)
     step_end_pages: tuple = ()  # where the executor's prefill forward passes ended (pages, ascending)
     output_end_pages: Optional[int] = None  # pages holding KV at finish (prompt + output); None: no output
 
@@ -52,6 +53,7 @@ class Policy:
     state_evicts_leaf = False  # a state evicted from a tier leaf takes that leaf's KV copy (SGLang)
     scan_victims = False  # choose victims by scanning the pool (`choose_victim`), not by heap order
     engine = "sglang"  # whose scheduler serves it in the simulator: "sglang" or "vllm" (sim/admission.py)
+    learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)

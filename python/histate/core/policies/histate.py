@@ -1,6 +1,9 @@
 """HiState (paper §3) and the ablations of Figure 10.
 
-histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymmetric tiering
+histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymmetric tiering, with eq. 3's
+                   p_t learned online near each trajectory's end (departure from the paper's uniform p_t:
+                   docs/policies.md "Reuse-position prior")
+histate-uniform    the paper's uniform interior prior in eq. 3 and eq. 7 (ablation of the learned prior)
 histate-align      admission replaced by vLLM's align rule (terminal state only)
 histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
@@ -25,18 +28,25 @@ class HiState(Policy):
     historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
     refresh_all = True
     kv_ends_at_last_state = True
+    learns_reuse_positions = True
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return sorted(set(self.prompt_states(ctx)) | set(last_decode_state(ctx, ctx.config.decode_track_pages)))
 
     def prompt_states(self, ctx: AdmissionContext) -> list[int]:
         """Eq. 5 intervals over the new segment, the terminal, and the observed branch point."""
-        return ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s) + branch_point(ctx)
+        return ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs) + branch_point(ctx)
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
-        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens)
+        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
         return last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
+
+
+@register_policy
+class HiStateUniform(HiState):
+    name = "histate-uniform"
+    learns_reuse_positions = False
 
 
 @register_policy

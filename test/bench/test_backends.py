@@ -1,0 +1,138 @@
+"""The bench's clients against servers that answer wrongly, fail, or are not there.
+
+These fake servers stand for *remote* servers misbehaving (the client's error paths); the client's
+normal path is tested against the real `histate serve` in test_serve.py / test_bench_live.py.
+"""
+import asyncio
+import json
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from histate.bench.backends import BenchError, TransientError, make_backend
+from histate.bench.sessions import RetryPolicy
+
+
+def _sse(*events):
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def _meta(completion_tokens, prompt_tokens=3, cached_tokens=0, **extra):
+    return {"meta_info": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "cached_tokens": cached_tokens, **extra}, "output_ids": [1] * completion_tokens}
+
+
+async def _with_server(handler, body, path="/generate", backend="sglang"):
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession() as http:
+            return await body(make_backend(backend, f"http://{host}:{port}"), http)
+    finally:
+        await runner.cleanup()
+
+
+def _serve_text(text, status=200):
+    async def handler(request):
+        return web.Response(text=text, status=status, content_type="text/event-stream")
+    return handler
+
+
+def _generate(handler, ids=(1, 2, 3), max_new=2, backend="sglang", path="/generate"):
+    async def body(client, http):
+        return await client.generate(http, list(ids), max_new)
+    return asyncio.run(_with_server(handler, body, path, backend))
+
+
+def test_sglang_stream_is_parsed_into_counts_and_times():
+    done = _generate(_serve_text(_sse(_meta(1), _meta(2, cached_tokens=2, histate={"kv_hit_tokens": 3}))))
+    assert (done.prompt_tokens, done.completion_tokens, done.cached_tokens, done.kv_hit_tokens) == (3, 2, 2, 3)
+    assert 0 < done.ttft_s <= done.latency_s
+
+
+@pytest.mark.parametrize("events, message", [
+    ([{"text": "x"}], "event lacks meta_info"),
+    ([_meta(1), _meta(1)], "completion_tokens=1, forced 2 (does the server honour ignore_eos?)"),
+    ([_meta(2, prompt_tokens=5)], "prompt_tokens=5, but the prompt has 3 token ids"),
+    ([_meta(2, cached_tokens=None)], "meta_info.cached_tokens is None"),
+    ([_meta(0)], "the stream ended without an output token"),
+    ([{"error": {"message": "boom"}}], "server error: boom"),
+])
+def test_wrong_answers_are_fatal_one_liners(events, message):
+    with pytest.raises(BenchError) as info:
+        _generate(_serve_text(_sse(*events)))
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not isinstance(info.value, TransientError)
+
+
+def test_http_errors_split_into_fatal_and_transient():
+    with pytest.raises(BenchError, match=r"HTTP 400: input_ids must be") as info:
+        _generate(_serve_text(json.dumps({"error": {"message": "input_ids must be ints"}}), status=400))
+    assert not isinstance(info.value, TransientError)
+    with pytest.raises(TransientError, match="HTTP 503"):
+        _generate(_serve_text("overloaded", status=503))
+    with pytest.raises(BenchError, match="not JSON in the event stream"):
+        _generate(_serve_text("data: {oops\n\n"))
+
+
+def test_openai_usage_and_missing_cached_tokens():
+    chunk = {"choices": [{"index": 0, "text": "a"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
+                                      "prompt_tokens_details": {"cached_tokens": 1}}}
+    done = _generate(_serve_text(_sse(chunk, chunk, usage)), backend="openai", path="/v1/completions")
+    assert (done.prompt_tokens, done.completion_tokens, done.cached_tokens) == (3, 2, 1)
+    usage["usage"]["prompt_tokens_details"] = None  # vLLM without --enable-prompt-tokens-details
+    done = _generate(_serve_text(_sse(chunk, chunk, usage)), backend="openai", path="/v1/completions")
+    assert done.cached_tokens is None
+    with pytest.raises(BenchError, match="no usage in the stream"):
+        _generate(_serve_text(_sse(chunk, chunk)), backend="openai", path="/v1/completions")
+
+
+def test_transient_failures_are_retried_then_given_up():
+    calls = []
+
+    async def flaky(request):
+        calls.append(1)
+        if len(calls) < 3:
+            return web.Response(status=500, text="warming up")
+        return web.Response(text=_sse(_meta(1), _meta(2)), content_type="text/event-stream")
+
+    async def body(client, http):
+        retries = []
+        done = await RetryPolicy(max_attempts=3, backoff_s=0.0).call(
+            lambda: client.generate(http, [1, 2, 3], 2), retries.append)
+        return done, retries
+
+    done, retries = asyncio.run(_with_server(flaky, body))
+    assert done.completion_tokens == 2 and len(retries) == 2 and len(calls) == 3
+    calls.clear()
+
+    async def body_two_attempts(client, http):
+        return await RetryPolicy(max_attempts=2, backoff_s=0.0).call(lambda: client.generate(http, [1, 2, 3], 2))
+
+    with pytest.raises(BenchError, match=r"HTTP 500: warming up \(gave up after 2 attempts\)") as info:
+        asyncio.run(_with_server(flaky, body_two_attempts))
+    assert not isinstance(info.value, TransientError)
+
+
+def closed_port_url():
+    """A URL on a port nobody listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_unreachable_server_is_transient():
+    async def body():
+        async with aiohttp.ClientSession() as http:
+            return await make_backend("sglang", closed_port_url()).generate(http, [1], 1)
+
+    with pytest.raises(TransientError, match="generate: "):
+        asyncio.run(body())

@@ -1,0 +1,136 @@
+"""`histate bench` end to end against the real CPU server (conftest.histate_server).
+
+The strongest check: with one live session and budgets nothing is evicted from, the server's cache
+(histate.core driven by the reference executor, keyed on the prompts' token ids) and the simulator's
+(the same core keyed on the workload's page keys) must reuse exactly the same number of tokens for
+every request -- which holds only if the prompts share exactly the prefixes the workload says, the
+closed loop sends requests in the replay's order, and the server reports what it reused.
+"""
+import csv
+import json
+import math
+import os
+import signal
+import threading
+
+import pytest
+
+from histate.bench.run import BenchOptions, report, run_bench
+from histate.cli import main
+from histate.sim.replay import ReplayConfig, replay
+from histate.sim.traces import LoadOptions, load_weka
+from histate.sim.workloads import AgentWorkloadConfig, agent_workload
+from test.bench.test_backends import closed_port_url
+from test.sim.helpers import ids, weka_request, weka_session, weka_subagent, write_jsonl
+
+MiB = 2**20
+BIG = dict(gpu_cache_bytes=64 * MiB, cpu_cache_bytes=256 * MiB, ssd_cache_bytes=1024 * MiB)  # the server's defaults
+
+
+def _small_agent_workload():
+    return agent_workload(AgentWorkloadConfig(
+        num_sessions=3, num_turns=5, system_prompt_num_tokens=256, first_input_num_tokens=(200, 600),
+        append_num_tokens=(64, 300), output_num_tokens=(2, 6), tool_gap_s=(0.01, 0.05), human_gap_probability=0.0,
+        session_start_spread_s=0.1, truncation_rate=0.2, rewind_edit_rate=0.2, fork_rate=0.1, compaction_rate=0.0,
+        seed=3))
+
+
+def _assert_same_reuse_as_the_simulator(workload, live_run):
+    sim = replay(workload, "histate", ReplayConfig(model="tiny-qwen3.5", max_live_sessions=1, **BIG)).by_uid()
+    live = live_run.by_uid()
+    assert sorted(live) == sorted(sim)
+    # A prompt of a whole number of pages has one page fewer on the server (its last token is always
+    # computed, so its page is never keyed): those requests can only reuse less there.
+    exact = [u for u in live if live[u].input_tokens % 64]
+    assert len(exact) >= len(live) - 1
+    assert [(u, live[u].reused_tokens, live[u].kv_hit_tokens) for u in exact] == \
+        [(u, sim[u].reused_tokens, sim[u].kv_hit_tokens) for u in exact]
+    assert sum(live[u].reused_tokens for u in exact) > 0
+
+
+def test_live_reuse_equals_the_simulators_request_by_request(histate_server):
+    workload = _small_agent_workload()
+    result = run_bench(workload, BenchOptions(histate_server.url, admission=ReplayConfig(max_live_sessions=1),
+                                              progress=False))
+    assert not result.interrupted and len(result.run.records) == workload.num_requests == 15
+    assert result.summary["bench"]["cache_flushed"] is True
+    _assert_same_reuse_as_the_simulator(workload, result.run)
+
+
+def test_subagents_run_closed_loop_in_the_replays_order(histate_server, tmp_path):
+    """A parent request, a subagent of two requests spawned after it, then the parent resumes."""
+    child = weka_subagent(t=3.0, duration_s=2.0, requests=[weka_request(1.2, 200, ids(500, 3), out=3),
+                                                           weka_request(2.0, 330, ids(500, 5), out=2, think=0.05)])
+    parent = weka_session("p", [weka_request(0.0, 300, ids(1, 4), out=3, api=1.0), child,
+                                weka_request(3.1, 500, ids(1, 7), out=2, think=0.05)])
+    path = write_jsonl(tmp_path / "t.jsonl", [parent])
+    workload = load_weka(path, LoadOptions())
+    result = run_bench(workload, BenchOptions(histate_server.url, admission=ReplayConfig(max_live_sessions=1),
+                                              progress=False))
+    records = sorted(result.run.records, key=lambda r: r.arrival_s)
+    assert [(r.session_id, r.input_tokens) for r in records] == \
+        [("p", 300), ("p/agent_001", 200), ("p/agent_001", 330), ("p", 500)]
+    for before, after in zip(records, records[1:]):
+        assert after.arrival_s >= before.completion_s  # each waits for the one it depends on
+    _assert_same_reuse_as_the_simulator(workload, result.run)
+
+
+def test_bench_cli_writes_replays_schema_with_ttft_and_hits(histate_server, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["bench", "--base-url", histate_server.url, "--synthetic", "agent", "--max-sessions", "1",
+               "--token-scale", "0.03125", "--time-scale", "0.0001", "--out", str(out), "--no-progress",
+               "--no-plots"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    stats = summary["policies"]["histate"]
+    assert stats["requests"] == 16 and summary["bench"]["completed_requests"] == 16
+    for key in ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s"):
+        assert 0 < stats[key] < 60
+    assert stats["ttft_p50_s"] <= stats["ttft_p95_s"] <= stats["ttft_p99_s"]
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["policy", "uid", "session_id", "flags", "arrival_s", "input_tokens", "kv_hit_tokens",
+                             "reused_tokens", "restore_s", "ttft_s"]
+    # Every turn after the first extends its context: the server reports reuse on all of them.
+    turns = sorted(rows, key=lambda r: float(r["arrival_s"]))
+    assert int(turns[0]["reused_tokens"]) == 0
+    assert all(int(r["reused_tokens"]) > 0 for r in turns[1:])
+    assert 0.5 < stats["token_hit_rate"] < 1
+    assert "histate: completed 16 of 16 requests" in capsys.readouterr().out
+
+
+def test_ctrl_c_stops_cleanly_with_partial_results(histate_server, tmp_path):
+    workload = agent_workload(AgentWorkloadConfig(num_sessions=2, num_turns=40, system_prompt_num_tokens=256,
+                                                  first_input_num_tokens=(300, 400), append_num_tokens=(64, 128),
+                                                  output_num_tokens=(8, 8), tool_gap_s=(0.01, 0.02),
+                                                  human_gap_probability=0.0, session_start_spread_s=0.01))
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        result = run_bench(workload, BenchOptions(histate_server.url, progress=False))
+    finally:
+        timer.cancel()
+    assert result.interrupted
+    assert 0 < len(result.run.records) < workload.num_requests
+    assert all(not math.isnan(r.completion_s) for r in result.run.records)  # only completed requests
+    report(result, tmp_path, plots=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["bench"]["interrupted"] is True
+    assert summary["policies"]["histate"]["requests"] == len(result.run.records)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--base-url", "ftp://example"], "--base-url: expected http://HOST:PORT, got 'ftp://example'"),
+    (["--base-url", "http://127.0.0.1:99999"], "--base-url: bad port"),
+    (["--base-url", "URL", "--token-scale", "0.3"], "token scale must be 1/k for an integer k"),
+    (["--base-url", "URL", "--trace", "/nonexistent/trace.jsonl"], "--trace /nonexistent/trace.jsonl: no such file"),
+    (["--base-url", "URL", "--vocab-size", "1000"], "--vocab-size 1000 exceeds the server's vocabulary (512)"),
+    (["--base-url", "URL", "--retries", "-1"], "--retries must be >= 0"),
+    (["--base-url", "CLOSED", "--retries", "0"], "cannot reach http://127.0.0.1:"),
+])
+def test_bad_urls_and_flags_are_one_line_exit_2(histate_server, capsys, flags, message):
+    flags = [histate_server.url if f == "URL" else closed_port_url() if f == "CLOSED" else f for f in flags]
+    assert main(["bench", *flags, "--synthetic", "agent", "--max-sessions", "1", "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "\n" not in err and err.startswith("histate bench: error: ") and message in err

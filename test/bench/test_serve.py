@@ -1,0 +1,142 @@
+"""`histate serve` answers the API subset the bench uses, and what it streams is the model's output.
+
+Requests go through HTTP to the real server (conftest.histate_server). The greedy tokens it streams
+after a cache hit must be the tokens of a cold run of the same prompt: the hit restored KV and a
+recurrent checkpoint from histate.core's tiers, and any error there changes the logits (~1e-3 for a
+state one token off, research/refmodel.md) long before it could leave argmax intact on every step.
+"""
+import json
+import random
+import urllib.error
+import urllib.request
+
+import pytest
+
+from histate.cli import main
+
+
+def _post(url, payload, raw=None):
+    data = raw if raw is not None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            body = resp.read().decode()
+            status = resp.status
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read().decode())
+    if body.startswith("data:"):
+        events = [line[5:].strip() for line in body.splitlines() if line.startswith("data:")]
+        assert events[-1] == "[DONE]"
+        return status, [json.loads(e) for e in events[:-1]]
+    return status, json.loads(body)
+
+
+def _ids(rng, n):
+    return [rng.randrange(512) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cold_runner():
+    from histate.reference.runner import ModelRunner
+    return ModelRunner("fp32")
+
+
+def test_hit_streams_the_cold_runs_greedy_tokens(histate_server, cold_runner):
+    url = histate_server.url + "/generate"
+    rng = random.Random(11)
+    first = _ids(rng, 300)
+    status, events = _post(url, {"input_ids": first, "sampling_params": {"max_new_tokens": 1}, "stream": True})
+    assert status == 200 and events[-1]["meta_info"]["cached_tokens"] == 0
+    prompt = first + _ids(rng, 40)
+    status, events = _post(url, {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+                                 "stream": True})
+    assert status == 200
+    token_events = [e for e in events if e["meta_info"]["finish_reason"] is None]
+    assert [e["meta_info"]["completion_tokens"] for e in token_events] == [1, 2, 3, 4, 5]
+    last = events[-1]
+    meta = last["meta_info"]
+    # 300 tokens -> pages of tokens [0, 299): 4 full pages, terminal checkpoint at 256 tokens.
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (340, 5, 256)
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["cached_tokens_details"] == {"device": 256, "host": 0, "storage": 0}
+    assert meta["histate"]["kv_hit_tokens"] == 256 and meta["histate"]["checkpoint_tier"] == "gpu"
+    assert all(e["meta_info"]["cached_tokens"] == 256 for e in events)  # known from the first token on
+    cold = cold_runner.cold_run(prompt, 5)
+    assert last["output_ids"] == list(cold.decode_tokens)
+
+
+def test_non_streaming_and_openai_completions(histate_server):
+    rng = random.Random(12)
+    prompt = _ids(rng, 200)
+    status, body = _post(histate_server.url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3}})
+    assert status == 200 and len(body["output_ids"]) == 3 and body["meta_info"]["cached_tokens"] == 0
+    url = histate_server.url + "/v1/completions"
+    status, body = _post(url, {"prompt": prompt + _ids(rng, 10), "max_tokens": 2})
+    assert status == 200
+    assert body["usage"]["prompt_tokens"] == 210 and body["usage"]["completion_tokens"] == 2
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 192  # 199 tokens cached -> 3 pages
+    status, events = _post(url, {"prompt": [prompt], "max_tokens": 2, "stream": True,
+                                 "stream_options": {"include_usage": True}})
+    assert status == 200
+    assert [len(e["choices"]) for e in events] == [1, 1, 1, 0]
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 192
+
+
+@pytest.mark.parametrize("path, payload, message", [
+    ("/generate", {"text": "hello"}, "text prompts are not supported"),
+    ("/generate", {"input_ids": [1, 512]}, "every token id must be an integer in [0, 512)"),
+    ("/generate", {"input_ids": []}, "non-empty list of token ids"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be an integer in [1, "),
+    ("/generate", {"input_ids": [1] * 16385}, "16385 tokens exceed the max context of 16384"),
+    ("/v1/completions", {"prompt": "hi"}, "prompt must be a non-empty list of token ids"),
+    ("/v1/completions", {"prompt": [1], "max_tokens": True}, "max_tokens must be an integer"),
+])
+def test_bad_requests_get_400_with_a_message(histate_server, path, payload, message):
+    status, body = _post(histate_server.url + path, payload)
+    assert status == 400 and message in body["error"]["message"]
+
+
+def test_bad_json_and_flush(histate_server):
+    status, body = _post(histate_server.url + "/generate", None, raw=b"{not json")
+    assert status == 400 and body["error"]["message"] == "body is not JSON"
+    rng = random.Random(13)
+    prompt = _ids(rng, 150)
+    payload = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}
+    _post(histate_server.url + "/generate", payload)
+    assert _post(histate_server.url + "/generate", payload)[1]["meta_info"]["cached_tokens"] == 128
+    with urllib.request.urlopen(urllib.request.Request(histate_server.url + "/flush_cache", method="POST")) as r:
+        assert r.status == 200
+    assert _post(histate_server.url + "/generate", payload)[1]["meta_info"]["cached_tokens"] == 0
+
+
+def test_info_endpoints(histate_server):
+    with urllib.request.urlopen(histate_server.url + "/get_model_info") as r:
+        info = json.loads(r.read())
+    assert (info["vocab_size"], info["histate_policy"], info["page_num_tokens"]) == (512, "histate", 64)
+    with urllib.request.urlopen(histate_server.url + "/v1/models") as r:
+        assert json.loads(r.read())["data"][0]["id"] == "histate-tiny-qwen3.5"
+
+
+def test_policy_none_never_reuses(cold_runner):
+    import queue
+
+    from histate.serve.engine import Job, ServeConfig, ServingEngine
+
+    engine = ServingEngine(ServeConfig("none"))
+    try:
+        prompt = _ids(random.Random(14), 200)
+        for _ in range(2):
+            events = queue.Queue()
+            engine.submit(Job(prompt, 3, events.put))
+            got = [events.get(timeout=60) for _ in range(4)]
+            assert [e[0] for e in got] == ["token", "token", "token", "done"]
+            assert got[-1][1]["cached_tokens"] == 0 and got[-1][1]["kv_hit_tokens"] == 0
+            assert got[-1][1]["output_ids"] == list(cold_runner.cold_run(prompt, 3).decode_tokens)
+    finally:
+        engine.close()
+
+
+def test_serve_rejects_policies_it_cannot_mirror(capsys):
+    assert main(["serve", "--policy", "unlimited"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("histate serve: error: --policy 'unlimited': choose one of histate,") and "\n" not in err
