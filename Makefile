@@ -30,8 +30,8 @@ venv: $(STAMP)  ## create .venv with everything the tests need (idempotent)
 
 WEKA_TRACE ?= ../shared/traces/cc-traces-weka-042026/traces.jsonl.gz
 
-demo: venv  ## replay ../shared's Weka sessions (paper preset: 125 sessions, gaps capped at 60 s) or, without them, the synthetic agent workload, through every policy
-	if [ -f $(WEKA_TRACE) ]; then $(VENV)/bin/histate replay --trace $(WEKA_TRACE) --max-sessions 125 --max-gap 60 --out out/demo; \
+demo: venv  ## replay ../shared's Weka sessions (--preset paper: the paper's load, 125 sessions) or, without them, the synthetic agent workload, through every policy
+	if [ -f $(WEKA_TRACE) ]; then $(VENV)/bin/histate replay --trace $(WEKA_TRACE) --preset paper --out out/demo; \
 	else $(VENV)/bin/histate replay --out out/demo; fi
 
 test: venv  ## run the CPU test suite (what CI runs)

@@ -6,22 +6,54 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, available_policies
+from .sim.costs import MODELS
+from .sim.presets import PRESETS
+from .sim.replay import DEFAULT_STAGGER_S, SESSION_SAMPLINGS
+from .sim.traces import MAX_INPUT_NUM_TOKENS
 
 GiB = 2**30
+DEFAULT_SIM_MODEL = "qwen3.5-9b"
+NONE = "none"  # --max-gap none / --max-sessions all: override a preset's value with "no limit"
 
 
-def _gib(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size in GiB, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"size must be >= 0 GiB, got {text}")
-    return int(value * GiB)
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments end in one line naming the flag (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _number(what: str, *, above=None, at_least=None, at_most=None, integer: bool = False, none_word=None):
+    """An argparse type: a finite number (or a whole number) of `what` within bounds, or `none_word`."""
+    bounds = " and ".join(f"{op} {bound:,}" if isinstance(bound, int) else f"{op} {bound:g}"
+                          for op, bound in ((">", above), (">=", at_least), ("<=", at_most)) if bound is not None)
+    expected = " ".join(w for w in ("expected", "a whole number" if integer else "a finite number",
+                                    f"of {what}" if what else "", bounds) if w) + \
+        (f" (or {none_word!r})" if none_word else "")
+
+    def parse(text: str):
+        if none_word is not None and text.strip().lower() == none_word:
+            return NONE
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or (above is not None and value <= above) or \
+                (at_least is not None and value < at_least) or (at_most is not None and value > at_most):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+    parse.__name__ = what or "number"
+    return parse
+
+
+def _gib(*, above=None, at_least=None):
+    parse = _number("GiB", above=above, at_least=at_least)
+    return lambda text: int(parse(text) * GiB)
 
 
 def _policies(text: str) -> list:
@@ -43,35 +75,56 @@ def _intervals(text: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="histate", description=__doc__)
+    ap = _Parser(prog="histate", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser(
         "replay", help="replay a trace (or a synthetic agent workload) through every cache policy",
         description="Replay agent sessions through cache policies side by side on one simulated GPU and "
-                    "print token hit rate, TTFT p50/p95/p99/mean, speedups vs vllm-marconi and the share of "
+                    "print token hit rate, TTFT p50/p95/p99/mean (p95/p99 also over requests that are not "
+                    "the first of their session), speedups vs vllm-marconi and the share of "
                     "unlimited's reusable tokens recovered on reuse-sensitive requests (paper §4.2). "
                     "Without --trace it replays the embedded synthetic agent workload (96 sessions x 16 turns "
                     "with truncation, rewind-and-edit, fork and compaction).")
     src = r.add_argument_group("workload")
-    src.add_argument("--trace", type=Path, help="trace file or directory (Weka cc-traces JSONL(.gz), TraceLab, Mooncake)")
+    given = src.add_mutually_exclusive_group()
+    given.add_argument("--trace", type=Path, help="trace file, directory or pipe (Weka cc-traces JSONL(.gz), "
+                                                  "TraceLab, Mooncake)")
+    given.add_argument("--synthetic", choices=("agent", "mutation"),
+                       help="synthetic workload instead of --trace: agent (default) or the paper's mutation microbenchmark")
     src.add_argument("--format", choices=("weka", "tracelab", "mooncake"), default="weka", help="trace format (default weka)")
-    src.add_argument("--synthetic", choices=("agent", "mutation"), help="synthetic workload when no --trace: agent (default) or the paper's mutation microbenchmark")
-    src.add_argument("--mutation-rate", type=float, default=0.05, help="--synthetic mutation: rate of truncations (0.05)")
-    src.add_argument("--max-context", type=int, default=131072, help="model max context in tokens; a session ends at its first longer request (131072)")
-    src.add_argument("--max-gap", type=float, help="cap every think/tool gap at this many seconds (AIPerf's inter-turn delay cap); default: trace timing")
-    src.add_argument("--max-sessions", type=int, help="admit at most this many root sessions (default: all)")
+    src.add_argument("--mutation-rate", type=_number("", at_least=0, at_most=1),
+                     help="--synthetic mutation: rate of truncations (0.05)")
+    src.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                     help="how a trace is clipped, timed and sampled; a flag below overrides its field. "
+                          + "; ".join(p.describe() for p in PRESETS.values())
+                          + " (docs/results.md, workload presets)")
+    src.add_argument("--max-context", type=_number("tokens", at_least=1, at_most=MAX_INPUT_NUM_TOKENS, integer=True),
+                     help="max context in tokens; a session ends at its first longer request (default: the preset's, "
+                          "else the model's native context: "
+                          + ", ".join(f"{m.name} {m.native_context_num_tokens:,}" for m in MODELS.values()) + ")")
+    src.add_argument("--max-gap", type=_number("seconds", at_least=0, none_word=NONE),
+                     help="cap every think/tool gap at this many seconds, or 'none' (default: the preset's)")
+    src.add_argument("--max-sessions", type=_number("sessions", at_least=1, integer=True, none_word="all"),
+                     help="admit at most this many root sessions, or 'all' (default: the preset's)")
+    src.add_argument("--session-sampling", choices=SESSION_SAMPLINGS,
+                     help="draw --max-sessions from all roots (those the clip empties take a slot) or only "
+                          "non-empty ones (default: the preset's)")
+    src.add_argument("--stagger", type=_number("seconds", at_least=0), default=DEFAULT_STAGGER_S,
+                     help=f"release the first wave of live sessions one every this many seconds instead of all "
+                          f"at t = 0 ({DEFAULT_STAGGER_S:g})")
     src.add_argument("--seed", type=int, default=0, help="seed of the admission order and synthetic workloads (0)")
-    sim = r.add_argument_group("system (defaults: the paper preset, Qwen3.5-9B on one H100)")
+    sim = r.add_argument_group("system (defaults: the paper's setup, Qwen3.5-9B on one H100, §4.1)")
     sim.add_argument("--policies", type=_policies, default=available_policies(), help="comma-separated policies (default: all)")
-    sim.add_argument("--model", default="qwen3.5-9b", help="qwen3.5-9b | qwen3-next-80b-a3b | tiny-qwen3.5")
+    sim.add_argument("--model", default=DEFAULT_SIM_MODEL, help="qwen3.5-9b | qwen3-next-80b-a3b | tiny-qwen3.5")
     sim.add_argument("--hardware", default="h100", help="h100 | h200")
-    sim.add_argument("--gpu-gib", type=_gib, default=45 * GiB, help="GPU cache pool shared by KV and states, GiB (45)")
-    sim.add_argument("--cpu-gib", type=_gib, default=96 * GiB, help="CPU DRAM cache, GiB (96)")
-    sim.add_argument("--ssd-gib", type=_gib, default=150 * GiB, help="SSD cache, GiB (150)")
-    sim.add_argument("--h2d-gbps", type=float, help="host-to-device bandwidth, GB/s (preset: 64)")
-    sim.add_argument("--ssd-gbps", type=float, help="SSD bandwidth, GB/s (preset: 5)")
-    sim.add_argument("--max-live-sessions", type=int, default=24, help="live root sessions at once (24)")
-    sim.add_argument("--tau", type=float, default=DEFAULT_TAU_S,
+    sim.add_argument("--gpu-gib", type=_gib(above=0), default=45 * GiB, help="GPU cache pool shared by KV and states, GiB (45)")
+    sim.add_argument("--cpu-gib", type=_gib(at_least=0), default=96 * GiB, help="CPU DRAM cache, GiB (96)")
+    sim.add_argument("--ssd-gib", type=_gib(at_least=0), default=150 * GiB, help="SSD cache, GiB (150)")
+    sim.add_argument("--h2d-gbps", type=_number("GB/s", above=0), help="host-to-device bandwidth, GB/s (--hardware's: 64)")
+    sim.add_argument("--ssd-gbps", type=_number("GB/s", above=0), help="SSD bandwidth, GB/s (--hardware's: 5)")
+    sim.add_argument("--max-live-sessions", type=_number("sessions", at_least=1, integer=True), default=24,
+                     help="live root sessions at once (24)")
+    sim.add_argument("--tau", type=_number("seconds", at_least=0), default=DEFAULT_TAU_S,
                      help=f"eq. 7 time scale tau, seconds ({DEFAULT_TAU_S:g}; sweep in docs/results.md)")
     sim.add_argument("--intervals", type=_intervals, default=DEFAULT_INTERVALS_PAGES,
                      help="supported checkpoint intervals in 64-token pages, comma-separated")
@@ -184,23 +237,58 @@ def _add_serve_parser(sub) -> None:
                    help="after every request, check that each tier holds exactly what the policy placed there")
 
 
-def load_workload(args):
+def resolve_workload_settings(args, model_name: str) -> dict:
+    """The workload settings of this run: each flag given, else the preset's value, else the native
+    context of `model_name` (a simulator model spec; raises ValueError naming the flag for combinations
+    that would be ignored)."""
+    from .sim.costs import get_model
+
+    preset = PRESETS[args.preset]
+    if args.trace is None:
+        ignored = [flag for flag, value in (("--max-context", args.max_context), ("--max-gap", args.max_gap))
+                   if value is not None]
+        if args.preset != "default":
+            ignored.insert(0, f"--preset {args.preset}")
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: applies to --trace only (synthetic workloads set their own)")
+    if args.mutation_rate is not None and args.synthetic != "mutation":
+        raise ValueError("--mutation-rate: applies to --synthetic mutation only")
+
+    def pick(flag_value, preset_value):
+        value = preset_value if flag_value is None else flag_value
+        return None if value == NONE else value
+
+    max_context = pick(args.max_context, preset.max_context_num_tokens)
+    if max_context is None and args.trace is not None:
+        max_context = get_model(model_name).native_context_num_tokens
+    return {
+        "preset": preset.name,
+        "max_context_num_tokens": max_context,  # None: a synthetic workload, which sets its own
+        "max_gap_s": pick(args.max_gap, preset.max_gap_s),
+        "max_sessions": pick(args.max_sessions, preset.max_sessions),
+        "session_sampling": pick(args.session_sampling, preset.session_sampling),
+        "stagger_s": args.stagger,
+    }
+
+
+def load_workload(args, settings: dict):
     from .sim.traces import LoadOptions, load_trace
     from .sim.workloads import demo_workload, mutation_microbenchmark
 
     if args.synthetic == "mutation":
-        return mutation_microbenchmark(args.mutation_rate, seed=args.seed)
+        rate = 0.05 if args.mutation_rate is None else args.mutation_rate
+        return mutation_microbenchmark(rate, seed=args.seed)
     trace = args.trace
     if trace is None:
         return demo_workload(seed=args.seed)
     if not trace.exists():
         raise FileNotFoundError(f"--trace {trace}: no such file or directory")
-    options = LoadOptions(max_context_num_tokens=args.max_context, max_gap_s=args.max_gap,
+    options = LoadOptions(max_context_num_tokens=settings["max_context_num_tokens"], max_gap_s=settings["max_gap_s"],
                           progress=not args.no_progress)
     return load_trace(trace, args.format, options)
 
 
-def build_config(args, page_num_tokens: int):
+def build_config(args, settings: dict, page_num_tokens: int):
     from dataclasses import replace
 
     from .sim.costs import CalibratedStepCost, PrefillProfile, get_hardware, get_model
@@ -209,9 +297,10 @@ def build_config(args, page_num_tokens: int):
     model, hardware = get_model(args.model), get_hardware(args.hardware)  # unknown names fail here
     config = ReplayConfig(model=args.model, hardware=args.hardware, gpu_cache_bytes=args.gpu_gib,
                           cpu_cache_bytes=args.cpu_gib, ssd_cache_bytes=args.ssd_gib,
-                          max_live_sessions=args.max_live_sessions, max_sessions=args.max_sessions, seed=args.seed,
-                          tau_s=args.tau, intervals_pages=args.intervals)
-    if args.h2d_gbps or args.ssd_gbps:
+                          max_live_sessions=args.max_live_sessions, max_sessions=settings["max_sessions"],
+                          session_sampling=settings["session_sampling"], stagger_s=settings["stagger_s"],
+                          seed=args.seed, tau_s=args.tau, intervals_pages=args.intervals)
+    if args.h2d_gbps is not None or args.ssd_gbps is not None:
         config = replace(config, hardware_spec=hardware.with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps))
     if args.calibration:
         profile = PrefillProfile.from_csv(args.calibration)
@@ -220,20 +309,59 @@ def build_config(args, page_num_tokens: int):
     return config
 
 
+def plan_replay(args) -> tuple:
+    """(settings, workload, config, admitted roots, roots drawn but emptied by the clip): everything
+    a replay needs, with every input checked, before any policy runs. Raises ValueError / OSError
+    with a one-line message naming the flag or file:line:field."""
+    from .sim.replay import admission_order, sampled_roots
+    from .sim.report import check_writable
+
+    settings = resolve_workload_settings(args, args.model)
+    check_writable(args.out)
+    workload = load_workload(args, settings)
+    config = build_config(args, settings, workload.page_num_tokens)
+    drawn, admitted = sampled_roots(workload, config), admission_order(workload, config)
+    if not any(s.requests for root in admitted for s in root.iter_sessions()):
+        raise ValueError(f"no requests to replay: {workload.stats.requests_over_context} dropped by the "
+                         f"max context of {settings['max_context_num_tokens']:,} tokens (--max-context)")
+    return settings, workload, config, admitted, len(drawn) - len(admitted)
+
+
+def settings_record(args, settings: dict, workload, config, admitted: list, num_drawn_empty: int) -> dict:
+    """summary.json's "settings": every value the run used, preset or flag, workload and system."""
+    from dataclasses import asdict
+
+    system = {k: v for k, v in asdict(config).items() if k not in ("engine", "step_cost", "hardware_spec")}
+    return {**settings, "seed": args.seed, "trace": str(args.trace) if args.trace else None,
+            "format": args.format if args.trace else None, "workload": workload.name,
+            "admitted_sessions": len(admitted), "drawn_empty_sessions": num_drawn_empty,
+            "admitted_requests": sum(len(s.requests) for root in admitted for s in root.iter_sessions()),
+            **system, "hardware_spec": asdict(config.resolved_hardware()), "engine": asdict(config.engine),
+            "calibration": str(args.calibration) if args.calibration else None}
+
+
 def replay_command(args) -> int:
     from .sim.replay import replay_policies
-    from .sim.report import build_summary, format_table, write_outputs
+    from .sim.report import build_summary, format_table, strict_json, write_outputs
 
-    try:  # bad input (trace, profile, names, budgets) is reported in one line naming its source
-        workload = load_workload(args)
-        config = build_config(args, workload.page_num_tokens)
+    try:  # bad input is one line naming its source, and all of it is found before the replay starts
+        settings, workload, config, admitted, num_drawn_empty = plan_replay(args)
     except (ValueError, OSError) as err:
         print(f"histate replay: error: {err}", file=sys.stderr)
         return 2
     stats = workload.stats
+    record = settings_record(args, settings, workload, config, admitted, num_drawn_empty)
+    clip = settings["max_context_num_tokens"]
     print(f"workload {workload.name}: {stats.sessions} sessions (+{stats.subagent_sessions} subagents), "
-          f"{stats.requests} requests, {stats.input_tokens / 1e6:.1f}M input tokens; dropped by max-context "
-          f"{stats.requests_over_context} requests; malformed skipped {stats.malformed_skipped}")
+          f"{stats.requests} requests, {stats.input_tokens / 1e6:.1f}M input tokens; "
+          + (f"dropped by the {clip:,}-token max context: {stats.requests_over_context} requests; " if clip else "")
+          + f"malformed skipped {stats.malformed_skipped}")
+    print(f"preset {settings['preset']}: admitting {len(admitted)} sessions"
+          + (f" (+{num_drawn_empty} drawn but emptied by the clip)" if num_drawn_empty else "")
+          + f", {record['admitted_requests']} requests; "
+          + ("" if args.trace is None else "think/tool gaps as recorded; " if settings["max_gap_s"] is None
+             else f"think/tool gaps capped at {settings['max_gap_s']:g} s; ")
+          + f"first wave released one every {settings['stagger_s']:g} s")
     logs, policies = {}, list(args.policies)
     if args.explain:
         from .sim.explain import EvictionLog
@@ -241,11 +369,13 @@ def replay_command(args) -> int:
         logs = {name: EvictionLog() for name in args.explain}
         policies += [p for p in (*args.explain, "unlimited") if p not in policies]
     runs = replay_policies(workload, policies, config, progress=not args.no_progress, observers=logs)
-    summary = build_summary(runs)
+    summary = {**build_summary(runs), "settings": record, "workload_stats": stats.as_dict()}
     print(format_table(summary))
     for name, run in runs.items():
         n = len(run.records)
-        print(f"  {name}: replayed {n} requests in {run.wall_s:.1f} s ({n / max(run.wall_s, 1e-9):,.0f} req/s)")
+        span_h = summary["policies"][name]["simulated_span_s"] / 3600
+        print(f"  {name}: replayed {n} requests ({span_h:.2f} h simulated) in {run.wall_s:.1f} s "
+              f"({n / max(run.wall_s, 1e-9):,.0f} req/s)")
     written = write_outputs(runs, summary, args.out, plots=not args.no_plots)
     if logs:
         from .sim.explain import explain, format_explain
@@ -253,7 +383,7 @@ def replay_command(args) -> int:
         report = explain(workload, runs, logs, references=("unlimited", *args.explain))
         print(format_explain(report))
         path = args.out / "explain.json"
-        path.write_text(json.dumps(report, indent=1))
+        path.write_text(json.dumps(strict_json(report), indent=1) + "\n")
         written.append(path)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
@@ -270,14 +400,18 @@ def bench_command(args) -> int:
         check_base_url(args.base_url)
         if args.retries < 0:
             raise BenchError(f"--retries must be >= 0, got {args.retries}")
-        admission = ReplayConfig(max_live_sessions=args.max_live_sessions, max_sessions=args.max_sessions,
-                                 seed=args.seed)
+        # bench's --model names the server's model; traces are clipped at the simulator's default model's
+        # native context unless --max-context says otherwise (docs/bench.md)
+        settings = resolve_workload_settings(args, DEFAULT_SIM_MODEL)
+        admission = ReplayConfig(max_live_sessions=args.max_live_sessions, max_sessions=settings["max_sessions"],
+                                 seed=args.seed, session_sampling=settings["session_sampling"],
+                                 stagger_s=settings["stagger_s"])
         options = BenchOptions(args.base_url, args.backend, args.model, args.vocab_size, args.label, admission,
                                RetryPolicy(max_attempts=args.retries + 1), args.request_timeout,
                                flush_cache=not args.no_flush, progress=not args.no_progress)
         if args.calibrate:
             return _calibrate(args, options)
-        workload = scale_workload(load_workload(args), args.token_scale, args.time_scale)
+        workload = scale_workload(load_workload(args, settings), args.token_scale, args.time_scale)
     except (BenchError, ValueError, OSError) as err:
         print(f"histate bench: error: {err}", file=sys.stderr)
         return 2

@@ -89,8 +89,8 @@ def test_bench_cli_writes_replays_schema_with_ttft_and_hits(histate_server, tmp_
     assert stats["ttft_p50_s"] <= stats["ttft_p95_s"] <= stats["ttft_p99_s"]
     with (out / "requests.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["policy", "uid", "session_id", "flags", "arrival_s", "input_tokens", "kv_hit_tokens",
-                             "reused_tokens", "restore_s", "ttft_s"]
+    assert list(rows[0]) == ["policy", "uid", "session_id", "session_index", "flags", "arrival_s", "input_tokens",
+                             "kv_hit_tokens", "reused_tokens", "restore_s", "ttft_s"]  # histate replay's schema
     # Every turn after the first extends its context: the server reports reuse on all of them.
     turns = sorted(rows, key=lambda r: float(r["arrival_s"]))
     assert int(turns[0]["reused_tokens"]) == 0
@@ -130,7 +130,8 @@ def test_ctrl_c_stops_cleanly_with_partial_results(histate_server, tmp_path):
 ])
 def test_bad_urls_and_flags_are_one_line_exit_2(histate_server, capsys, flags, message):
     flags = [histate_server.url if f == "URL" else closed_port_url() if f == "CLOSED" else f for f in flags]
-    assert main(["bench", *flags, "--synthetic", "agent", "--max-sessions", "1", "--no-progress"]) == 2
+    workload = [] if "--trace" in flags else ["--synthetic", "agent"]  # replay refuses both together
+    assert main(["bench", *flags, *workload, "--max-sessions", "1", "--no-progress"]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert "\n" not in err and err.startswith("histate bench: error: ") and message in err

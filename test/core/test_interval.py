@@ -61,3 +61,37 @@ def test_state_residence_is_censored_until_a_checkpoint_leaves_the_ssd():
     assert ctl.plan(10, 74, now_s=400.0) == [26, 42, 58, 74]  # ratio 1/4: I=8 and I=16 both cost 10.5; tie -> 16
     ctl.state_residence_s.observe(50.0)
     assert ctl.pressure_ratio(now_s=400.0) == 2.0  # observed evictions replace the bound
+
+
+def test_littles_law_estimates_residence_before_any_eviction():
+    """Before anything left a tier, T = capacity / insertion rate (a full FIFO tier's mean residence):
+    a GPU filling at 1 GiB/s out of 45 GiB keeps KV ~45 s; an SSD filling at 0.1 GiB/s out of 150 GiB
+    keeps checkpoints ~1500 s, so storing checkpoints is cheap (ratio 0.03) and eq. 5 plans densely."""
+    from histate.core.interval import TierFlow
+
+    gib = 2**30
+    kv, st = TierFlow(45 * gib), TierFlow(150 * gib)
+    ctl = IntervalController(24.5, (2, 4, 8, 16, 32, 64, 128, 256), 0.1, kv, st)
+    assert ctl.pressure_ratio(0.0) == 1.0  # nothing known yet: the paper's neutral ratio
+    kv.note(0.0, 0)
+    st.note(0.0, 0)
+    kv.note(10.0, 10 * gib)
+    st.note(10.0, gib)
+    assert abs(kv.residence_s(10.0) - 45.0) < 1e-9 and abs(st.residence_s(10.0) - 1500.0) < 1e-9
+    assert abs(ctl.pressure_ratio(10.0) - 45.0 / 1500.0) < 1e-9
+    dense = ctl.plan(0, 132, 10.0)
+    ctl.kv_residence_s.observe(1500.0)  # observed residences replace the estimates
+    ctl.state_residence_s.observe(300.0)
+    assert abs(ctl.pressure_ratio(10.0) - 5.0) < 1e-9
+    assert len(ctl.plan(0, 132, 10.0)) < len(dense)
+
+
+def test_censored_state_age_bounds_the_littles_law_estimate_from_below():
+    from histate.core.interval import TierFlow
+
+    st = TierFlow(100)
+    ctl = IntervalController(4.0, (2, 4), 0.1, TierFlow(100), st)
+    ctl.kv_flow.note(0.0, 100)
+    st.note(0.0, 1000)  # a fast writer: Little says checkpoints live 10 s at t = 100
+    ctl.note_state_written(0.0)  # yet the first checkpoint is still there at t = 100
+    assert abs(ctl.pressure_ratio(100.0) - 100.0 / 100.0) < 1e-9

@@ -49,7 +49,7 @@ def test_policy_state_learns_the_near_end_share_of_interior_hits():
         serve(cache, ctx, now)
     probs = cache.state.near_end_probs
     assert probs[0] > 0.9 and sum(probs[1:]) < 0.05  # p'_1: interior hits land one page before the end
-    assert make_cache("histate-uniform", tiny_config(gpu_pages=10)).state.near_end_probs == ()
+    assert make_cache("histate-paper", tiny_config(gpu_pages=10)).state.near_end_probs == ()
 
 
 def _one_page_rewrites(policy: str) -> int:
@@ -72,6 +72,33 @@ def test_learned_prior_keeps_the_checkpoint_that_one_page_rewrites_resume_from()
     """Under the paper's uniform prior the former terminal checkpoints (interior, tiny C with q near 1)
     are the first to go when the SSD is short, so a request that rewrites the previous request's last
     page recomputes the whole context; with the learned prior they are worth their near-end mass."""
-    uniform, learned = _one_page_rewrites("histate-uniform"), _one_page_rewrites("histate")
+    uniform, learned = _one_page_rewrites("histate-paper"), _one_page_rewrites("histate")
     assert learned > uniform
     assert learned >= 40  # resumed near the end of its context (the system prompt alone is 40 pages)
+
+
+def test_eviction_is_charged_what_leaves_transfer_when_demoted_recompute_when_dropped():
+    """Eq. 7's C with tiers (docs/policies.md, second departure): a GPU bundle that the CPU will take is
+    worth its transfer (share x M x restore cost difference); the same bundle on the last tier is worth
+    its recompute (share x gap); histate-paper charges the recompute everywhere."""
+    from histate.core import CacheConfig, UnitKind
+
+    def build(policy):
+        config = CacheConfig(page_num_tokens=64, kv_bytes_per_token=1, checkpoint_size_bytes=4 * 64,
+                             capacity_bytes={Tier.GPU: 400 * 64, Tier.CPU: 400 * 64, Tier.SSD: 400 * 64},
+                             restore_cost_tokens={Tier.CPU: 0.02, Tier.SSD: 0.2})
+        cache = make_cache(policy, config)
+        serve(cache, [("a", i) for i in range(30)], 1.0, checkpoint_pages=[30])
+        (leaf,) = cache.tree.root.children.values()
+        return cache, leaf
+
+    cache, leaf = build("histate")
+    q = cache.state.terminal_prob
+    m_tokens = (30 + 4) * 64  # the leaf's KV and its terminal checkpoint
+    _, cost_gpu, reclaim, _ = cache.state.score_terms(leaf, UnitKind.BUNDLE, 1 << Tier.GPU)
+    assert reclaim == m_tokens and abs(cost_gpu - q * m_tokens * 0.02) < 1e-6
+    _, cost_ssd, _, _ = cache.state.score_terms(leaf, UnitKind.BUNDLE, 1 << Tier.SSD)  # last tier: dropped
+    assert abs(cost_ssd - q * 30 * 64) < 1e-6
+    paper, leaf = build("histate-paper")
+    _, cost_paper, _, _ = paper.state.score_terms(leaf, UnitKind.BUNDLE, 1 << Tier.GPU)
+    assert abs(cost_paper - paper.state.terminal_prob * 30 * 64) < 1e-6

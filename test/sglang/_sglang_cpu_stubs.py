@@ -2,10 +2,11 @@
 
 SGLang imports `triton` unconditionally (srt/utils/common.py) and, through its multimodal
 configs, `torchvision.transforms`; neither is installable here (triton is ~1 GB, the reachable
-torchvision wheels are CUDA builds). SGLang ships its own triton stub for Apple-Silicon MPS
+torchvision wheels are CUDA builds). Its UnifiedRadixCache test kit imports HF `datasets`
+(through `sglang.benchmark`), which a `--no-deps` install lacks. SGLang ships its own triton stub for Apple-Silicon MPS
 (`sglang/_platform_stubs.py`, gated on darwin + MPS). We load that file by path (so
 `sglang/__init__.py` does not run first), run its installer with the platform gate answered
-"darwin/arm64/MPS", and add a torchvision stub built from the same mock-module class.
+"darwin/arm64/MPS", and add torchvision and datasets stubs built from the same mock-module class.
 
 This module lives in test/ only: the plugin's production path never imports it.
 Call `install()` before the first `import sglang`.
@@ -107,11 +108,20 @@ def _install_torchvision(stubs: types.ModuleType) -> None:
     torchvision.__version__ = "0.0.0"  # transformers compares versions
 
 
+def _install_datasets(stubs: types.ModuleType) -> None:
+    """HF `datasets`, imported by `sglang.benchmark` on the way to `sglang.test.test_utils` (which
+    the UnifiedRadixCache test kit imports for its TestCase base); no test here loads a dataset."""
+    if "datasets" in sys.modules or importlib.util.find_spec("datasets") is not None:
+        return
+    sys.meta_path.insert(0, _MockPackageFinder("datasets", stubs))
+
+
 def install() -> None:
-    """Install the triton and torchvision stubs (idempotent)."""
+    """Install the triton, torchvision and datasets stubs (idempotent)."""
     stubs = _load_sglang_stub_file()
     _install_triton(stubs)
     _install_torchvision(stubs)
+    _install_datasets(stubs)
 
 
 def run_module_as_main(module: str, argv: list[str]) -> None:

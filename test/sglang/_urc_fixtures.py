@@ -51,17 +51,22 @@ TINY_STATE = dict(intermediate_size=16, num_heads=2, head_dim=8, state_size=4)
 QWEN35_LIKE_STATE = dict(intermediate_size=256, num_heads=4, head_dim=64, state_size=48)
 
 
-def build_pools(kv_tokens: int, mamba_slots: int, page_size: int = PAGE, max_reqs: int = 8,
-                max_context: int = 8192, state_shape: Optional[dict] = None) -> Pools:
+def _mamba_cache_params(state_shape: Optional[dict]) -> Any:
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.environ import envs
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
     with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
         shape = Mamba2StateShape.create(tp_world_size=1, n_groups=1, conv_kernel=4,
                                         **(state_shape or TINY_STATE))
-        cache_params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
+        return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
+
+
+def build_pools(kv_tokens: int, mamba_slots: int, page_size: int = PAGE, max_reqs: int = 8,
+                max_context: int = 8192, state_shape: Optional[dict] = None) -> Pools:
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+
+    cache_params = _mamba_cache_params(state_shape)
     req_to_token_pool = HybridReqToTokenPool(
         size=max_reqs, mamba_size=mamba_slots, mamba_spec_state_size=max_reqs, max_context_len=max_context,
         device="cpu", enable_memory_saver=False, cache_params=cache_params, mamba_layer_ids=MAMBA_LAYERS,
@@ -73,6 +78,25 @@ def build_pools(kv_tokens: int, mamba_slots: int, page_size: int = PAGE, max_req
     allocator = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page_size, dtype=torch.bfloat16,
                                             device="cpu", kvcache=kvcache, need_sort=False)
     return Pools(req_to_token_pool, kvcache, allocator, page_size)
+
+
+def build_unified_pools(kv_tokens: int, mamba_slots: int, max_reqs: int = 8, max_context: int = 4096,
+                        state_shape: Optional[dict] = None) -> Pools:
+    """SGLang's unified device pool (`--enable-unified-memory`, HiState's default): KV and states
+    in one byte buffer, built by `init_unified_mamba_pools` (unified_memory_pool.py:1593) with
+    the sizes the KV-cache configurator would pass. Page size 1 (no extra buffer); the KV rows
+    are 16 bytes (head_dim 8, bf16), the pool's alignment requirement."""
+    from sglang.srt.mem_cache.unified_memory_pool import init_unified_mamba_pools
+
+    bundle = init_unified_mamba_pools(
+        device="cpu", kv_cache_dtype=torch.bfloat16, head_num=1, head_dim=8, page_size=1, start_layer=0,
+        end_layer=len(MAMBA_LAYERS) + len(FULL_LAYERS), is_draft_worker=False, use_mla_backend=False,
+        mamba_layer_ids=MAMBA_LAYERS, full_attention_layer_ids=list(FULL_LAYERS),
+        mamba2_cache_params=_mamba_cache_params(state_shape), model_context_len=max_context, extra_max_context_len=0, max_total_num_tokens=kv_tokens,
+        max_mamba_cache_size=mamba_slots, max_num_reqs=max_reqs, enable_memory_saver=False,
+        enable_mamba_extra_buffer=False, enable_mamba_extra_buffer_lazy=False, speculative_num_draft_tokens=None,
+        disable_overlap_schedule=True, need_sort=False)
+    return Pools(bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator, 1)
 
 
 def cache_params(pools: Pools, tree_core: str = "python", enable_metrics: bool = False) -> Any:

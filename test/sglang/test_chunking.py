@@ -1,13 +1,15 @@
-"""Chunk ends on planned checkpoint positions: the pure rule, its pass count, the PrefillAdder hooks."""
+"""Chunk ends on planned checkpoint positions: the pure rule, its pass count, and the hooks on
+SGLang's real `PrefillAdder` with real `Req`s, admitted the way the scheduler admits them."""
 from __future__ import annotations
 
-import types
+from array import array
 
 import pytest
 
 from histate.sglang_plugin.chunking import align_chunk_end, count_prefill_passes
 
-from ._urc_fixtures import build_cache, build_pools, publish_server_args
+from ._scheduler_round import prefill_round
+from ._urc_fixtures import PAGE, build_cache, build_pools, publish_server_args
 
 PLAN = [3072, 6144, 9216, 12288, 15360, 18432, 20480]  # interval 3072 over a 20480-token prompt
 
@@ -35,48 +37,100 @@ def test_pass_counts_document_the_cost_of_each_mode():
     assert count_prefill_passes(0, 24576, 8192, sparse, "floor") == (4, sparse)
 
 
-@pytest.fixture
-def histate_cache(sglang_plugins):
+CHUNK = 1000  # --chunked-prefill-size of these tests (not a page multiple, like a user's value)
+PROMPT = 4000  # HiState plans 512, 1024, ..., 3584, 4000 for it (asserted below)
+
+
+def _cache(kind, mode="floor"):
+    from histate.sglang_plugin.chunking import install_chunk_planning
+    from histate.sglang_plugin.config import resolve_config
+
     publish_server_args()
-    return build_cache("histate", build_pools(1024, 8))
+    install_chunk_planning()
+    pools = build_pools(16 * 1024, 16)
+    if kind == "stock":
+        return build_cache("stock", pools), pools
+    return build_cache("histate", pools, histate_config=resolve_config({"enable": True, "chunk_align": mode}, {})), pools
 
 
-def _req(num_tokens, prefix_len=0):
-    return types.SimpleNamespace(full_untruncated_fill_ids=list(range(num_tokens)), prefix_len=prefix_len)
+def _req(first_token, num_tokens=PROMPT):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid=f"r{first_token}", origin_input_text="",
+               origin_input_ids=array("q", range(first_token, first_token + num_tokens)),
+               sampling_params=SamplingParams(temperature=0, max_new_tokens=8))
 
 
-def test_new_request_admission_is_cut_on_its_plan(histate_cache):
-    from sglang.srt.managers.schedule_policy import _PrefillAdmission
-
-    from histate.sglang_plugin.chunking import commit_admission_around
-
-    committed = []
-    adder = types.SimpleNamespace(tree_cache=histate_cache, new_chunked_req=None)
-    req = _req(4000)
-    plan = histate_cache.plan_checkpoints(0, 4000)
-    assert plan[-1] == 4000 and len(plan) > 2  # intermediate checkpoints planned for this segment
-    admission = _PrefillAdmission(prefix_len=0, extend_len=1000, max_new_tokens=0, is_chunked=True, replay_len=0)
-    commit_admission_around(lambda a, r, adm, *rest: committed.append(adm), adder, req, admission, 0)
-    expected = max(p for p in plan if p <= 1000)
-    assert committed[0].extend_len == expected and committed[0].is_chunked
-    assert req._hs_plan == plan
-    assert histate_cache.histate.metrics.totals[("prefill_chunk_cuts_total", "floor")] == 1
+def _prefill_round(cache, pools, chunked_req, waiting):
+    return prefill_round(cache, pools.allocator, PAGE, chunked_req, waiting, rem_chunk_tokens=CHUNK)
 
 
-def test_continuing_chunk_hook_through_sglang_prefill_adder(histate_cache):
-    """Installed through HookRegistry on SGLang's PrefillAdder; a final chunk is never shortened."""
-    from sglang.srt.managers.schedule_policy import PrefillAdder
+def _truncated(adder):
+    return [r for r in adder.can_run_list if r.extend_end < len(r.full_untruncated_fill_ids)]
 
-    from histate.sglang_plugin import chunking
 
-    chunking.install_chunk_planning()
-    adder = types.SimpleNamespace(tree_cache=histate_cache, mamba_chunk_grid=1)
-    req = _req(4000, prefix_len=640)
-    req._hs_plan = [1280, 1920, 2560, 3200, 4000]
-    token = chunking._current_req.set(req)
-    try:
-        assert PrefillAdder.floor_chunked_tokens(adder, 1500, 3360) == 1920 - 640
-        assert PrefillAdder.floor_chunked_tokens(adder, 3360, 3360) == 3360  # last chunk: unchanged
-    finally:
-        chunking._current_req.reset(token)
-    assert PrefillAdder.floor_chunked_tokens(adder, 1500, 3360) == 1500  # no HiState request in flight
+def _run_chunk(req):
+    """What the chunk's forward pass leaves for admission: `checkpoint_kv_cache` advances the
+    prefix to the chunk end (common.py:280). (No model runs here; the tree insert is not needed
+    for admission.)"""
+    req.prefix_len = req.extend_end
+
+
+def test_histate_plans_the_positions_these_tests_assume(sglang_plugins):
+    cache, _ = _cache("histate")
+    assert cache.plan_checkpoints(0, PROMPT) == [512, 1024, 1536, 2048, 2560, 3072, 3584, 4000]
+
+
+@pytest.mark.parametrize("kind, mode, first_end", [
+    ("stock", None, 992),        # SGLang: the chunk budget, page-floored
+    ("histate", "floor", 512),   # the last planned position inside that chunk
+    ("histate", "split", 512),   # the first planned position
+])
+def test_one_truncated_request_per_batch_and_it_is_the_chunked_one(sglang_plugins, kind, mode, first_end):
+    """Two long prompts wait. The first is truncated; the batch must stop there, so that the
+    one truncated request is the scheduler's `chunked_req`. Before the fix HiState's floor left
+    488 tokens of chunk budget, admitted the second prompt truncated too (new_chunked_req
+    overwritten), and the first ran as if fully prefilled: decode from a cut prompt."""
+    cache, pools = _cache(kind, mode)
+    first, second = _req(10_000), _req(50_000)
+    adder, chunked = _prefill_round(cache, pools, None, [first, second])
+    assert adder.can_run_list == [first] and first.extend_end == first_end
+    assert _truncated(adder) == [first] and chunked is first
+
+
+def test_split_cuts_a_prompt_that_fits_and_still_ends_the_batch(sglang_plugins):
+    """`split` cuts a 900-token prompt (fits the chunk) at its first planned position; the next
+    prompt must wait for the next round (before the fix it joined the batch)."""
+    cache, pools = _cache("histate", "split")
+    short, other = _req(10_000, 900), _req(50_000, 300)
+    adder, chunked = _prefill_round(cache, pools, None, [short, other])
+    assert cache.plan_checkpoints(0, 900)[0] == short.extend_end < 900
+    assert adder.can_run_list == [short] and chunked is short
+
+
+@pytest.mark.parametrize("kind, ends", [
+    ("stock", [992, 1992, 2992, 3992, 4000]),  # first chunk page-floored, continuations not
+    ("histate", [512, 1024, 1536, 2048, 2560, 3072, 4000]),  # 3584 is inside the final chunk
+])
+def test_continuing_chunks_never_share_a_batch_with_a_new_chunked_request(sglang_plugins, kind, ends):
+    """A long prompt runs chunk by chunk while a second long prompt waits (it arrives after the
+    first round). Each round the
+    continuing chunk is admitted first; when it is cut again the round must end. Before the fix
+    HiState's cut of the continuing chunk left budget, the waiting prompt was admitted and
+    chunked, and the scheduler's `assert self.chunked_req is None` fired (here: AssertionError
+    from `prefill_round`). The chunk ends are SGLang's cuts (stock) or the planned positions
+    (HiState, floor), and the last chunk is never shortened."""
+    cache, pools = _cache(kind)
+    long_prompt, waiting = _req(10_000), _req(50_000)
+    adder, chunked = _prefill_round(cache, pools, None, [long_prompt])
+    seen = [long_prompt.extend_end]
+    while chunked is long_prompt:
+        _run_chunk(long_prompt)
+        adder, chunked = _prefill_round(cache, pools, chunked, [waiting])
+        assert adder.can_run_list[0] is long_prompt
+        assert _truncated(adder) == ([chunked] if chunked is not None else [])
+        seen.append(long_prompt.extend_end)
+    assert seen == ends
+    if kind == "histate":  # every chunk but the last was moved back onto a planned position
+        assert cache.histate.metrics.totals[("prefill_chunk_cuts_total", "floor")] == len(ends) - 1

@@ -29,6 +29,23 @@ def _prepare(argv):
     return prepare_server_args(["--model-path", "dummy", *argv])
 
 
+def _one_line_error(capsys, run) -> str:
+    """`run()` must end like an argparse error: SystemExit(2) and one error line, the last one
+    on stderr (SGLang's own log lines may come before it); returns that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if "error" in line.lower() or "Traceback" in line]
+    assert errors == lines[-1:] and errors[0].startswith("sglang serve: error: "), lines
+    return errors[0]
+
+
+def _cli_error(capsys, argv) -> str:
+    return _one_line_error(capsys, lambda: _prepare(argv))
+
+
 def test_entry_point_is_declared_in_the_sglang_group():
     from importlib.metadata import entry_points
 
@@ -36,16 +53,31 @@ def test_entry_point_is_declared_in_the_sglang_group():
     assert eps.get("histate") == "histate.sglang_plugin.plugin:register"
 
 
-def test_launch_server_help_lists_every_histate_flag():
-    """`python -m sglang.launch_server --help` in a fresh process, plugin found via its entry point."""
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "_sglang_cpu_stubs.py"), "sglang.launch_server", "--help"],
+def _launch_server(*argv):
+    """`python -m sglang.launch_server ARGV` in a fresh process, plugin found via its entry point."""
+    return subprocess.run(
+        [sys.executable, os.path.join(HERE, "_sglang_cpu_stubs.py"), "sglang.launch_server", *argv],
         capture_output=True, text=True, timeout=180, cwd=HERE,
     )
+
+
+def test_launch_server_help_lists_every_histate_flag():
+    proc = _launch_server("--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "HiState (sglang-histate plugin" in proc.stdout
     for flag in ALL_FLAGS:
         assert flag in proc.stdout, f"{flag} missing from --help"
+    assert "0 = 90% of the free space" in proc.stdout  # --histate-ssd-size, as docs/sglang.md says
+
+
+def test_launch_server_bad_flag_is_one_line_and_exit_2():
+    """What a user sees: no traceback, one line naming the flag, status 2 (like argparse)."""
+    proc = _launch_server("--model-path", "dummy", "--enable-histate", "--histate-intervals", "100")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == ["sglang serve: error: --histate-intervals: interval 100 must be a positive multiple "
+                      "of 64 tokens (the recurrent-state grid)"]
 
 
 def test_enable_histate_resolves_sglang_settings(sglang_plugins, tmp_path):
@@ -97,20 +129,38 @@ def test_without_the_flag_nothing_changes(sglang_plugins):
         (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
         (["--hicache-write-policy", "write_back"], "--hicache-write-policy"),
+        (["--mamba-radix-cache-strategy", "extra_buffer_lazy"], "--mamba-radix-cache-strategy extra_buffer_lazy"),
     ],
 )
-def test_incompatible_flags_are_rejected_with_one_message(sglang_plugins, argv, flag):
-    with pytest.raises(HiStateConfigError) as err:
-        _prepare(["--enable-histate", *argv])
-    message = str(err.value)
-    assert message.startswith("--enable-histate") and flag in message
-    assert "\n" not in message
+def test_incompatible_flags_are_rejected_with_one_message(sglang_plugins, capsys, argv, flag):
+    line = _cli_error(capsys, ["--enable-histate", *argv])
+    assert line.startswith("sglang serve: error: --enable-histate") and flag in line
 
 
-def test_conflicting_extra_config_key_is_rejected(sglang_plugins, tmp_path):
-    with pytest.raises(HiStateConfigError, match="class_name"):
-        _prepare(["--enable-histate", "--histate-ssd-dir", str(tmp_path),
-                  "--hicache-storage-backend-extra-config", '{"class_name": "Other"}'])
+def test_conflicting_extra_config_key_is_rejected(sglang_plugins, capsys, tmp_path):
+    line = _cli_error(capsys, ["--enable-histate", "--histate-ssd-dir", str(tmp_path),
+                               "--hicache-storage-backend-extra-config", '{"class_name": "Other"}'])
+    assert "class_name" in line
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--histate-tau", "5"], "--histate-tau"),
+    (["--histate-ssd-dir", "/tmp/x"], "--histate-ssd-dir"),
+    (["--histate-chunk-align", "off"], "--histate-chunk-align"),
+])
+def test_histate_flags_need_enable_histate(sglang_plugins, capsys, argv, flag):
+    assert _cli_error(capsys, argv) == f"sglang serve: error: {flag} needs --enable-histate (HiState is off)"
+
+
+def test_histate_env_vars_without_enable_are_ignored(sglang_plugins, monkeypatch):
+    """Env vars may be set for a whole host; only flags on this command line are checked."""
+    monkeypatch.setenv("HISTATE_TAU", "5")
+    assert _prepare([])._histate_config.enable is False
+
+
+def test_a_bad_choice_is_one_line_not_sglangs_usage(sglang_plugins, capsys):
+    line = _cli_error(capsys, ["--enable-histate", "--histate-chunk-align", "sometimes"])
+    assert line == "sglang serve: error: --histate-chunk-align: 'sometimes' is not one of off, floor, split"
 
 
 def test_engine_kwargs_path_reads_env_vars(sglang_plugins, monkeypatch, tmp_path):
@@ -130,7 +180,8 @@ def test_engine_kwargs_path_reads_env_vars(sglang_plugins, monkeypatch, tmp_path
     assert cfg.sources["tau_s"] == "env"
 
 
-def test_engine_path_rejects_conflicts_too(sglang_plugins, monkeypatch):
+def test_engine_path_raises_conflicts_for_the_caller(sglang_plugins, monkeypatch):
+    """`Engine(**kwargs)` is a Python API: its errors are exceptions, not process exits."""
     from sglang.srt.server_args import ServerArgs
 
     monkeypatch.setenv("HISTATE_ENABLE", "true")
@@ -146,13 +197,11 @@ def test_cli_flag_beats_env_var(sglang_plugins, monkeypatch):
     assert sa._histate_config.tau_s == 9.0 and sa._histate_config.host_state_slots == 7
 
 
-def test_bad_values_name_their_flag_or_env_var(sglang_plugins, monkeypatch):
-    with pytest.raises(HiStateConfigError, match="--histate-intervals: interval 100"):
-        _prepare(["--enable-histate", "--histate-intervals", "100"])
-    with pytest.raises(HiStateConfigError, match="--histate-ssd-size: cannot parse"):
-        _prepare(["--enable-histate", "--histate-ssd-dir", "/tmp/x", "--histate-ssd-size", "lots"])
-    with pytest.raises(HiStateConfigError, match="needs --histate-ssd-dir"):
-        _prepare(["--enable-histate", "--histate-ssd-size", "1GB"])
+def test_bad_values_name_their_flag_or_env_var(sglang_plugins, capsys, monkeypatch):
+    assert "--histate-intervals: interval 100" in _cli_error(capsys, ["--enable-histate", "--histate-intervals", "100"])
+    assert "--histate-ssd-size: cannot parse" in _cli_error(
+        capsys, ["--enable-histate", "--histate-ssd-dir", "/tmp/x", "--histate-ssd-size", "lots"])
+    assert "needs --histate-ssd-dir" in _cli_error(capsys, ["--enable-histate", "--histate-ssd-size", "1GB"])
     monkeypatch.setenv("HISTATE_TAU", "-1")
     with pytest.raises(HiStateConfigError, match="HISTATE_TAU"):
         resolve_config({}, os.environ)
@@ -171,12 +220,27 @@ def test_size_and_interval_parsers():
         parse_size_bytes("12 parsecs", option="x")
 
 
-def test_intervals_must_sit_on_the_tree_page_grid():
-    cfg = resolve_config({"intervals_tokens": "256,512"}, {})
+def test_given_intervals_must_sit_on_the_state_grid():
+    cfg = resolve_config({"enable": True, "intervals_tokens": "256,512"}, {})
     assert cfg.intervals_pages(64) == (4, 8)
     assert cfg.intervals_pages(256) == (1, 2)
-    with pytest.raises(HiStateConfigError, match="not multiples of the tree page"):
+    with pytest.raises(HiStateConfigError, match=r"^--histate-intervals: \[256\] are not multiples of this "
+                                                 r"server's 512-token state grid"):
         cfg.intervals_pages(512)
+    from_env = resolve_config({"enable": True}, {"HISTATE_INTERVALS": "384"})
+    with pytest.raises(HiStateConfigError, match="^HISTATE_INTERVALS: "):
+        from_env.intervals_pages(256)
+
+
+def test_default_intervals_off_the_state_grid_are_dropped():
+    """R4: `--page-size 256` or a Mamba2-style 256-token state chunk makes the grid 256 tokens;
+    the default 128-token interval is left out instead of failing the server."""
+    cfg = resolve_config({"enable": True}, {})
+    assert cfg.intervals_pages(64) == (2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert cfg.intervals_pages(256) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert cfg.intervals_pages(1024) == (1, 2, 4, 8, 16, 32)
+    with pytest.raises(HiStateConfigError, match="no default interval is a multiple"):
+        cfg.intervals_pages(65536)
 
 
 def _write_config(path, config: dict) -> str:
@@ -185,35 +249,66 @@ def _write_config(path, config: dict) -> str:
     return str(path)
 
 
-def test_non_hybrid_model_is_rejected_once_its_config_is_known(sglang_plugins, tmp_path):
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000,
+         "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}
+
+
+def test_non_hybrid_model_is_rejected_once_its_config_is_known(sglang_plugins, capsys, tmp_path):
     """The resolution-step check reads the model's HF config (config.json only, no weights)."""
-    llama = _write_config(tmp_path / "llama", {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-        "vocab_size": 1000, "max_position_embeddings": 2048, "torch_dtype": "bfloat16"})
     from sglang.srt.server_args import prepare_server_args
 
+    llama = _write_config(tmp_path / "llama", LLAMA)
+    record = prepare_server_args(["--model-path", llama, "--enable-histate", "--device", "cpu", "--skip-tokenizer-init"])
+    assert "LlamaForCausalLM has none" in _one_line_error(capsys, record.resolve_once)
+
+
+def test_non_hybrid_model_on_the_engine_path_raises(sglang_plugins, monkeypatch, tmp_path):
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv("HISTATE_ENABLE", "1")
+    record = ServerArgs(model_path=_write_config(tmp_path / "llama", LLAMA), device="cpu", skip_tokenizer_init=True)
     with pytest.raises(HiStateConfigError, match="LlamaForCausalLM has none"):
-        prepare_server_args(["--model-path", llama, "--enable-histate", "--device", "cpu",
-                             "--skip-tokenizer-init"]).resolve_once()
+        record.resolve_once()
 
 
-def test_hybrid_model_passes_the_check(sglang_plugins, tmp_path):
+def _hybrid_model(tmp_path, **extra) -> str:
     from transformers import Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                                linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=1000).to_dict()
-    qwen = _write_config(tmp_path / "qwen35", {**config, "architectures": ["Qwen3_5ForCausalLM"]})
+    return _write_config(tmp_path / "qwen35", {**config, "architectures": ["Qwen3_5ForCausalLM"], **extra})
+
+
+# Resolution on a CPU: SGLang refuses the extra buffer and the overlap scheduler for Mamba there,
+# and the unified pool's page-major KV layout has no CPU attention backend.
+CPU_RESOLVABLE = ["--device", "cpu", "--skip-tokenizer-init", "--mamba-radix-cache-strategy", "no_buffer",
+                  "--disable-overlap-schedule", "--histate-device-pool", "static"]
+
+
+def test_hybrid_model_resolves_with_default_intervals_on_a_256_token_grid(sglang_plugins, tmp_path):
+    """A Mamba2-style `mamba_chunk_size` of 256 makes the state grid 256 tokens: the default
+    intervals (from 128) resolve; the 128 one is dropped when the cache is built."""
     from sglang.srt.server_args import prepare_server_args
 
-    from histate.sglang_plugin.plugin import _check_hybrid_model
+    from histate.sglang_plugin.plugin import state_grid_tokens
 
-    server_args = prepare_server_args(["--model-path", qwen, "--enable-histate", "--device", "cpu",
-                                       "--skip-tokenizer-init"])
-    continued = []
-    _check_hybrid_model(server_args, continued.append)  # the wrapped resolution step, called directly
-    assert continued == [server_args]
+    record = prepare_server_args(["--model-path", _hybrid_model(tmp_path, mamba_chunk_size=256),
+                                  "--enable-histate", *CPU_RESOLVABLE])
+    record.resolve_once()
+    assert state_grid_tokens(record) == 256
+    assert record._histate_config.intervals_pages(256)[0] == 1
+
+
+def test_given_intervals_off_the_grid_fail_at_the_argument_phase(sglang_plugins, capsys, tmp_path):
+    from sglang.srt.server_args import prepare_server_args
+
+    record = prepare_server_args(["--model-path", _hybrid_model(tmp_path, mamba_chunk_size=256), "--enable-histate",
+                                  "--histate-intervals", "128", "1024", *CPU_RESOLVABLE])
+    assert _one_line_error(capsys, record.resolve_once) == (
+        "sglang serve: error: --histate-intervals: [128] are not multiples of this server's 256-token state "
+        "grid (lcm of --page-size and the model's state chunk); use multiples of 256")
 
 
 def test_docs_list_every_flag_and_env_var():

@@ -1,8 +1,10 @@
 """HiState's tree cache on SGLang's real pools (device="cpu"): factory, invariants, Figure 7."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import types
+from array import array
 
 import pytest
 
@@ -211,3 +213,110 @@ def test_figure7_decisions(sglang_cpu, kind, policy, evicted):
     if kind == "histate":
         unit = "bundle" if evicted == "S6" else "checkpoint"
         assert cache.histate.metrics.totals[("evictions_total", unit)] == 1
+
+
+# --- copy-on-write admission (SGLang's real path) ------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["stock", "histate"])
+def test_copy_on_write_admissions_back_to_back(sglang_plugins, kind):
+    """Two admissions through `Req.init_next_round_input(cow_mamba=True)`, as the scheduler runs
+    them (scheduler.py:4260), on a full state pool. Each copies its matched checkpoint into a
+    request slot, and with none free `MambaComponent.finalize_match_result_in_cache` locks the
+    matched node, calls `evict_for_alloc(mamba_num=1)` and unlocks (mamba.py:210-221).
+
+    Tree: M (8 tokens, state) -> L (16 tokens, state), and N (8 other tokens, state); 3 slots.
+    Admission 1 matches M: the walk must leave M (locked) and evicts N. Admission 2 matches L:
+    the only evictable state is now M's (its Mamba lock is gone, L's path keeps its KV locked),
+    and stock evicts it. HiState's ranker had dropped M when it met it locked in admission 1, so
+    before the fix this raised "Can not alloc mamba cache" (R1)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture
+    from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
+
+    from ._sglang_kit import FULL_MAMBA_CONFIGS, assert_evict_frees_what_the_ledger_reports, kit_on_cpu
+
+    kit = UnifiedRadixCacheFixtures()
+    kit.cfg = dataclasses.replace(FULL_MAMBA_CONFIGS[0], mamba_cache_size=3)  # page 1, no extra buffer
+    with kit_on_cpu(kind):
+        cache, allocator, pool = build_fixture(kit.cfg)
+    a, n = list(range(100, 116)), list(range(500, 508))
+    for tokens in (a[:8], n, a):  # M, N, then L below M
+        kit._insert(cache, allocator, pool, tokens)
+    assert pool.mamba_allocator.available_size() == 0 and cache.mamba_evictable_size() == 3
+
+    def admit(tokens):
+        req = Req(rid=str(tokens[-1]), origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=1))
+        req.init_next_round_input(cache, cow_mamba=True)
+        return req
+
+    first = admit(a[:8] + [7, 7])
+    assert first.prefix_len == 8 and first.kv.holds_mamba
+    assert kit_match(cache, n) == 0  # N was the victim; M and L are intact
+    assert kit_match(cache, a) == 16
+    second = admit(a + [9, 9])
+    assert second.prefix_len == 16 and second.kv.holds_mamba
+    assert kit_match(cache, a[:8] + [1]) == 0  # M's checkpoint was the victim (its KV stays)
+    cache.sanity_check()
+    assert_evict_frees_what_the_ledger_reports(cache, allocator, pool)
+    if kind == "histate":
+        cache.histate.ranker.check_offered()
+
+
+@pytest.mark.parametrize("kind", ["stock", "histate"])
+@pytest.mark.parametrize("skip_decode_lock", [False, True])
+def test_decode_hold_with_and_without_its_state_lock(sglang_plugins, kind, skip_decode_lock):
+    """SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK: after a running request's checkpoint, SGLang re-locks
+    its node without the Mamba lock (unified_radix_cache.py:1300-1314), so the state it already
+    copied may be evicted during decode. Through the real `checkpoint` and `release` paths: the
+    held state is evictable exactly when the option is on, eviction frees it, and HiState ranks
+    it as a checkpoint unit (H4) while the KV path stays pinned."""
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture
+    from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
+    from sglang.test.mem_cache_utils import finish_req
+
+    from ._sglang_kit import FULL_MAMBA_CONFIGS, assert_evict_frees_what_the_ledger_reports, assert_histate_invariants, kit_on_cpu
+
+    kit = UnifiedRadixCacheFixtures()
+    kit.cfg = FULL_MAMBA_CONFIGS[0]
+    with kit_on_cpu(kind):
+        cache, allocator, pool = build_fixture(kit.cfg)
+    with envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.override(skip_decode_lock):
+        req, _ = kit._make_inflight_req(cache, allocator, pool, list(range(1, 33)))
+        cache.checkpoint(req, up_to=32)  # what a running request does at its prompt end
+        node = cache.tree_core.node_by_id(req.last_node)
+        assert node.component_data[ComponentType.FULL].lock_ref == 1
+        assert node.component_data[ComponentType.MAMBA].lock_ref == (0 if skip_decode_lock else 1)
+        assert cache.mamba_evictable_size() == (1 if skip_decode_lock else 0)
+        assert_histate_invariants(cache)
+        assert_evict_frees_what_the_ledger_reports(cache, allocator, pool)
+        freed = cache.evict(EvictParams(num_tokens=32, mamba_num=1))
+        assert (freed.mamba_num_evicted, freed.num_tokens_evicted) == ((1, 0) if skip_decode_lock else (0, 0))
+        assert kit_match(cache, list(range(1, 33))) == (0 if skip_decode_lock else 32)
+        finish_req(cache, req, 32)
+        cache.sanity_check()
+        assert_histate_invariants(cache)
+
+
+def kit_match(cache, tokens) -> int:
+    from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
+
+    return match_prefix(cache, tokens).device_prefix_len
+
+
+@pytest.mark.parametrize("page_size, chunk_tokens", [(256, 256), (16, 256)], ids=["page-256", "mamba2-chunk-256"])
+def test_default_intervals_build_a_cache_on_a_256_token_state_grid(sglang_plugins, page_size, chunk_tokens):
+    """R4: with a 256-token state grid (`--page-size 256`, or a model whose state chunk is 256)
+    the default intervals (from 128 tokens) used to make cache construction raise, after the
+    weights load, blaming --histate-intervals, which the user never set. The default off the grid
+    is dropped now; the plan uses grid positions only."""
+    publish_server_args(page_size=page_size, chunk_tokens=chunk_tokens)
+    cache = build_cache("histate", build_pools(64 * 256, 8, page_size=page_size))
+    assert cache.histate.grid_tokens == 256
+    assert cache.histate.admission_config.supported_intervals_pages == (1, 2, 4, 8, 16, 32, 64, 128)
+    plan = cache.plan_checkpoints(0, 4000)
+    assert plan and all(position % 256 == 0 for position in plan)

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from histate.sim.presets import PRESETS
+from histate.sim.replay import ReplayConfig, admission_order, sampled_roots
 from histate.sim.request import common_prefix_pages
 from histate.sim.traces import LoadOptions, iter_weka_sessions, load_weka
 
@@ -60,3 +62,14 @@ def test_default_clipping_drops_nothing_silently(tmp_path):
                                          (r["in"] for r in raw["requests"] if r["type"] != "subagent")))
         assert kept.get(raw["id"], []) == sizes
     assert w.stats.sessions + w.stats.sessions_dropped_empty >= NUM_SESSIONS
+
+
+def test_paper_preset_draws_125_of_all_roots_and_the_emptied_ones_take_a_slot():
+    """The load docs/results.md reports for `--preset paper`, seed 0 (the paper: 3,784 requests)."""
+    preset = PRESETS["paper"]
+    w = load_weka(WEKA, LoadOptions(max_context_num_tokens=preset.max_context_num_tokens, max_gap_s=preset.max_gap_s))
+    config = ReplayConfig(max_sessions=preset.max_sessions, session_sampling=preset.session_sampling, seed=0)
+    drawn, admitted = sampled_roots(w, config), admission_order(w, config)
+    assert (len(w.root_ids), len(w.sessions)) == (568, 439)
+    assert (len(drawn), len(admitted)) == (125, 97)
+    assert sum(len(s.requests) for root in admitted for s in root.iter_sessions()) == 3407

@@ -9,14 +9,18 @@ import pytest
 
 from histate.cli import main as cli_main
 from histate.core import available_policies
-from histate.sim.metrics import PolicyRun, RequestRecord, percentile, recovered_fraction, reuse_sensitive_uids
-from histate.sim.replay import GiB, ReplayConfig, replay, replay_policies
+from histate.sim.metrics import (PolicyRun, RequestRecord, percentile, recovered_fraction, reuse_sensitive_uids,
+                                 summarize)
+from histate.sim.replay import GiB, ReplayConfig, admission_order, replay, replay_policies, sampled_roots
 from histate.sim.request import Request, Session, Workload, WorkloadStats
 from histate.sim.workloads import default_workload
 
 GOLDEN = Path(__file__).with_name("golden_replay.json")
-# Tight budgets so that every tier fills: 2 GiB GPU is 64K tokens of Qwen3.5-9B KV.
-TIGHT = ReplayConfig(gpu_cache_bytes=2 * GiB, cpu_cache_bytes=4 * GiB, ssd_cache_bytes=12 * GiB, max_live_sessions=8)
+# Tight budgets so that every tier fills: 2 GiB GPU is 64K tokens of Qwen3.5-9B KV. No start-up
+# stagger: the synthetic workload spreads each session's first request over 60 s itself, and the
+# golden numbers pin the cache policies, not the admission ramp (tested on its own below).
+TIGHT = ReplayConfig(gpu_cache_bytes=2 * GiB, cpu_cache_bytes=4 * GiB, ssd_cache_bytes=12 * GiB, max_live_sessions=8,
+                     stagger_s=0.0)
 
 
 def golden_numbers(run: PolicyRun) -> dict:
@@ -130,3 +134,44 @@ def test_cli_reports_bad_input_in_one_line_naming_file_line_and_field(tmp_path, 
     assert err.startswith("histate replay: error: ") and f"{bad}:1: requests[0].in" in err
     assert cli_main(["replay", "--model", "nope", "--no-progress"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_the_first_wave_is_released_one_every_stagger_seconds():
+    sessions = [_session(f"s{i}", 2, gap_s=30.0) for i in range(5)]
+    w = Workload("t", sessions, WorkloadStats(sessions=5, requests=10))
+    config = ReplayConfig(max_live_sessions=3, stagger_s=7.0)
+    order = [root.session_id for root in admission_order(w, config)]
+    firsts = {r.session_id: r.arrival_s for r in replay(w, "histate", config).records if r.session_index == 0}
+    assert [firsts[sid] for sid in order[:3]] == [30.0, 37.0, 44.0]  # release k x 7 s, then its 30 s gap
+    assert min(firsts[sid] for sid in order[3:]) > 90.0   # later admissions wait for a session to end
+    unstaggered = replay(w, "histate", ReplayConfig(max_live_sessions=3, stagger_s=0.0)).records
+    assert sorted(r.arrival_s for r in unstaggered if r.session_index == 0)[:3] == [30.0, 30.0, 30.0]
+
+
+def test_sampling_from_all_roots_lets_empty_roots_take_a_slot_and_pairs_draws_across_clips():
+    kept = {sid: _session(sid, 2) for sid in "abcdef"}
+    root_ids = tuple("abcdef")
+    full = Workload("t", list(kept.values()), WorkloadStats(), root_ids=root_ids)
+    clipped = Workload("t", [kept[s] for s in "ace"], WorkloadStats(), root_ids=root_ids)  # b, d, f emptied
+    for seed in range(8):
+        config = ReplayConfig(max_sessions=3, seed=seed)
+        drawn_full = [r.session_id for r in sampled_roots(full, config)]
+        drawn_clipped = sampled_roots(clipped, config)
+        assert len(drawn_full) == len(drawn_clipped) == 3
+        # the same roots, in the same order; the emptied ones are None and not admitted
+        assert [r.session_id if r else None for r in drawn_clipped] == [s if s in "ace" else None for s in drawn_full]
+        assert [r.session_id for r in admission_order(clipped, config)] == [s for s in drawn_full if s in "ace"]
+        non_empty = admission_order(clipped, ReplayConfig(max_sessions=3, seed=seed, session_sampling="non-empty"))
+        assert sorted(r.session_id for r in non_empty) == ["a", "c", "e"]
+    with pytest.raises(ValueError, match="session_sampling"):
+        ReplayConfig(session_sampling="some")
+
+
+def test_non_first_percentiles_leave_out_each_sessions_first_request():
+    records = [RequestRecord(uid, "s", 0, 0.0, 100, 0, 0, first_token_s=ttft, session_index=index)
+               for uid, (ttft, index) in enumerate([(9.0, 0), (1.0, 1), (2.0, 2), (3.0, 3), (8.0, 0)])]
+    s = summarize(PolicyRun("p", records))
+    assert (s["requests"], s["non_first_requests"]) == (5, 3)
+    assert s["ttft_p99_s"] == pytest.approx(8.0 + 0.96 * 1.0)      # over 1, 2, 3, 8, 9
+    assert s["ttft_p99_non_first_s"] == pytest.approx(2.0 + 0.98)  # over 1, 2, 3
+    assert s["ttft_p95_non_first_s"] == pytest.approx(2.0 + 0.90)

@@ -1,10 +1,13 @@
 """Weka loader on small inline fixtures: keys, layouts, subagents, clipping, malformed input."""
 import json
+import os
+import threading
 
 import pytest
 
 from histate.sim.request import RequestFlag, common_prefix_pages
-from histate.sim.traces import LoadOptions, TraceFormatError, iter_weka_sessions, load_trace, load_weka
+from histate.sim.traces import (MAX_INPUT_NUM_TOKENS, LoadOptions, TraceFormatError, iter_weka_sessions, load_trace,
+                                load_weka)
 
 from .helpers import ids, weka_request, weka_session, weka_subagent, write_jsonl
 
@@ -243,3 +246,66 @@ def test_a_skipped_conversation_leaves_no_partial_counts_or_uid_gaps(tmp_path):
     assert [r.uid for r in w.iter_requests()] == [0, 1, 2, 3]
     assert (w.stats.sessions, w.stats.subagent_sessions, w.stats.requests, w.stats.malformed_skipped) == (2, 0, 4, 1)
     assert "t.jsonl:2: requests[2].hash_ids: entry for page 1 is 'two'" in w.stats.errors[0]
+
+
+def _feed_fifo(path, data, done: threading.Event):
+    """Write `data` into the FIFO at `path` from a thread, then, until `done`, keep answering any
+    further open of the FIFO with an empty stream: a reader that opens it twice sees the data
+    truncated and fails instead of blocking forever."""
+    def writer():
+        with open(path, "wb") as f:
+            f.write(data)
+        while not done.wait(0.05):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader has it open: nothing to answer
+                pass
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_pipe_loads_completely(tmp_path, gz):
+    """`--trace /dev/stdin` or `<(zcat ...)`: a non-seekable input is read once, nothing lost."""
+    sessions = [two_turn_session(f"s{i}") for i in range(300)]  # ~190 KiB of JSON, far above any buffer
+    data = write_jsonl(tmp_path / "t.jsonl", sessions, gz=gz).read_bytes()
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    done = threading.Event()
+    thread = _feed_fifo(fifo, data, done)
+    try:
+        w = load_weka(str(fifo))
+    finally:
+        done.set()
+        thread.join(timeout=10)
+    assert [s.session_id for s in w.sessions] == [f"s{i}" for i in range(300)]
+    assert w.stats.requests == 600
+
+
+def test_a_truncated_gzip_raises_naming_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl.gz", [two_turn_session(f"s{i}") for i in range(50)], gz=True)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl\.gz:\d+: <gzip>: truncated or corrupt gzip"):
+        load_weka(path)
+
+
+def test_an_input_longer_than_any_model_context_is_malformed_even_unclipped(tmp_path):
+    """Page keys are built per page: an unbounded `in` would allocate without bound."""
+    num_in = MAX_INPUT_NUM_TOKENS + 64
+    sess = weka_session("s", [weka_request(0, num_in, ids(1, num_in // 64))])
+    with pytest.raises(TraceFormatError, match=rf"t\.jsonl:1: requests\[0\]\.in: must be <= {MAX_INPUT_NUM_TOKENS}"):
+        load_weka(write_jsonl(tmp_path / "t.jsonl", [sess]), LoadOptions(max_context_num_tokens=None))
+    with pytest.raises(ValueError, match="max_context_num_tokens"):
+        LoadOptions(max_context_num_tokens=MAX_INPUT_NUM_TOKENS + 1)
+    with pytest.raises(ValueError, match="max_gap_s"):
+        LoadOptions(max_gap_s=float("nan"))
+
+
+def test_root_ids_keep_the_roots_the_clip_empties_in_file_order(tmp_path):
+    long_first = weka_session("long", [weka_request(0, 64 * 20, ids(1, 20))])
+    w = load_weka(write_jsonl(tmp_path / "t.jsonl", [two_turn_session("a"), long_first, two_turn_session("b")]),
+                  LoadOptions(max_context_num_tokens=1000))
+    assert [s.session_id for s in w.sessions] == ["a", "b"]
+    assert w.root_ids == ("a", "long", "b")

@@ -53,9 +53,10 @@ class HybridPrefixCache:
         self._block_pages = config.block_pages if policy.block_granular else 1
         self.tree = RadixTree()
         self.stats = CacheStats()
-        self.state = PolicyState(policy, config)
         plan = TierPlan(policy, self.ledger)
-        self.book = ItemBook(config, self.ledger, self.stats, self._on_checkpoint_put, self._on_item_gone)
+        demotion = {t: (plan.lower_tiers(t)[0] if plan.lower_tiers(t) else None) for t in policy.tiers}
+        self.state = PolicyState(policy, config, demotion)
+        self.book = ItemBook(config, self.ledger, self.stats, self._on_put, self._on_item_gone)
         self.evictor = Evictor(self.tree, self.book, self.state, plan)
         self.placement = Placement(self.book, self.evictor, plan)
         self.num_open_leases = 0
@@ -72,11 +73,15 @@ class HybridPrefixCache:
         self._observer = observer
         self.evictor.observer = observer
 
-    def _on_checkpoint_put(self, node: Node, tier: Tier, action: str) -> None:
+    def _on_put(self, node: Node, kind: ItemKind, tier: Tier, action: str, size_bytes: int) -> None:
+        now_s = self.last_now_s
+        self.state.on_bytes_in(tier, size_bytes, now_s)
+        if kind is not ItemKind.CHECKPOINT:
+            return
         if tier == self.policy.historical_tier:
-            self.state.on_state_written(self.last_now_s)
+            self.state.on_state_written(now_s)
         if self._observer is not None and action == "put":
-            self._observer.on_checkpoint_put(node, tier, self.last_now_s)
+            self._observer.on_checkpoint_put(node, tier, now_s)
 
     def _on_item_gone(self, node: Node, kind: ItemKind) -> None:
         if self._observer is not None:

@@ -87,6 +87,11 @@ class CacheConfig:
     """Weight of a new observation in the residence-time and terminal-hit EMAs."""
     initial_terminal_hit_prob: float = DEFAULT_TERMINAL_HIT_PRIOR
     """Prior for the EMA of hits that land on a terminal checkpoint."""
+    restore_cost_tokens: Mapping[Tier, float] = field(default_factory=dict)
+    """Recompute-tokens it costs to restore one token of KV from each tier (restore time / recompute
+    time per token; 0 for the GPU). Eq. 7 charges a demoted unit this transfer instead of its recompute
+    (units.expected_cost_tokens); the simulator derives it from the hardware and model specs (eq. 2 and
+    the prefill roofline). Empty: every eviction is charged its recompute (the paper)."""
     record_ops: bool = False
     """Keep a log of TierOps for executors (off in the simulator: it only needs byte counts)."""
 
@@ -117,6 +122,8 @@ class CacheConfig:
         need(self.attention_pair_tokens >= 0, "attention_pair_tokens", "must be >= 0")
         need(0.0 < self.ema_alpha <= 1.0, "ema_alpha", "must be in (0, 1]")
         need(0.0 <= self.initial_terminal_hit_prob <= 1.0, "initial_terminal_hit_prob", "must be in [0, 1]")
+        for tier, cost in self.restore_cost_tokens.items():
+            need(tier in ALL_TIERS and cost >= 0, "restore_cost_tokens", f"{tier!r}: {cost} must be >= 0")
 
     @property
     def kv_bytes_per_page(self) -> int:

@@ -108,30 +108,62 @@ def continuous_optimum_pages(num_pages: int, checkpoint_pages_equiv: float, pres
     return math.sqrt(2.0 * num_pages * checkpoint_pages_equiv * pressure_ratio)
 
 
+class TierFlow:
+    """Bytes flowing into one tier, for Little's law: a full tier's mean residence time is its
+    capacity divided by its insertion rate. It estimates T_KV / T_state before any eviction has been
+    observed, when the EMAs have nothing to say (an empty tier's contents will stay about that long
+    once it fills at today's rate)."""
+
+    __slots__ = ("capacity_bytes", "first_write_s", "bytes_in")
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.first_write_s: Optional[float] = None
+        self.bytes_in = 0
+
+    def note(self, now_s: float, size_bytes: int) -> None:
+        if self.first_write_s is None:
+            self.first_write_s = now_s
+        self.bytes_in += size_bytes
+
+    def residence_s(self, now_s: Optional[float]) -> Optional[float]:
+        if now_s is None or self.first_write_s is None or not self.bytes_in or now_s <= self.first_write_s:
+            return None
+        return self.capacity_bytes * (now_s - self.first_write_s) / self.bytes_in
+
+
 class IntervalController:
     """Tracks T_KV and T_state and plans checkpoint positions for each new segment."""
 
-    def __init__(self, checkpoint_pages_equiv: float, supported: Sequence[int], ema_alpha: float):
+    def __init__(self, checkpoint_pages_equiv: float, supported: Sequence[int], ema_alpha: float,
+                 kv_flow: Optional[TierFlow] = None, state_flow: Optional[TierFlow] = None):
         self.checkpoint_pages_equiv = checkpoint_pages_equiv
         self.supported = tuple(supported)
         self.kv_residence_s = Ema(ema_alpha)  # how long KV keeps its place on the GPU
         self.state_residence_s = Ema(ema_alpha)  # how long a checkpoint survives in its home tier (SSD)
         self.first_state_write_s: Optional[float] = None
+        self.kv_flow = kv_flow  # bytes into the GPU pool (Little's-law T_KV until one is observed)
+        self.state_flow = state_flow  # bytes into the checkpoints' home tier (Little's-law T_state)
 
     def note_state_written(self, now_s: float) -> None:
         if self.first_state_write_s is None:
             self.first_state_write_s = now_s
 
     def pressure_ratio(self, now_s: Optional[float] = None) -> float:
-        """T_KV / T_state; 1 until T_KV has been observed.
+        """T_KV / T_state; 1 while neither can be estimated.
 
-        While no checkpoint has left its home tier, T_state is censored: every checkpoint written so
-        far is still there, so its residence is at least the age of the first one. Using that lower
-        bound (instead of 1) lets an SSD that is far from full buy denser checkpoints.
+        Observed residences (EMAs) are used once they exist. Before that, each is estimated by Little's
+        law from its tier's capacity and insertion rate (`TierFlow`); T_state also has a censored lower
+        bound: every checkpoint written so far is still in its home tier, so its residence is at least
+        the age of the first one. Before any estimate, the ratio is the paper's neutral 1.
         """
         kv, st = self.kv_residence_s.value, self.state_residence_s.value
-        if st is None and now_s is not None and self.first_state_write_s is not None:
-            st = now_s - self.first_state_write_s
+        if kv is None and self.kv_flow is not None:
+            kv = self.kv_flow.residence_s(now_s)
+        if st is None and now_s is not None:
+            censored = now_s - self.first_state_write_s if self.first_state_write_s is not None else None
+            little = self.state_flow.residence_s(now_s) if self.state_flow is not None else None
+            st = max((x for x in (censored, little) if x is not None), default=None)
         if kv is None or st is None or st <= 0 or kv <= 0:
             return 1.0
         return kv / st

@@ -18,13 +18,13 @@ from .types import ItemKind, Tier, TierOp, tiers_in
 
 class ItemBook:
     def __init__(self, config: CacheConfig, ledger: Ledger, stats: CacheStats,
-                 on_checkpoint_put: Callable[[Node, Tier, str], None],
+                 on_put: Callable[[Node, ItemKind, Tier, str, int], None],
                  on_item_gone: Callable[[Node, ItemKind], None]):
         self.config = config
         self.ledger = ledger
         self.stats = stats
         self.ops: list = []
-        self._on_checkpoint_put = on_checkpoint_put
+        self._on_put = on_put  # (node, kind, tier, action, size): every copy entering a tier
         self._on_item_gone = on_item_gone
         # pools holding a node's copies, per tier mask (pins walk every node of a path: keep it cheap)
         self._kv_pools = tuple(tuple(ledger.pool_of(t, ItemKind.KV) for t in tiers_in(m)) for m in range(8))
@@ -50,9 +50,9 @@ class ItemBook:
 
     def put(self, node: Node, kind: ItemKind, tier: Tier, action: str = "put", src: Optional[Tier] = None) -> None:
         """A new copy in `tier` ("put": new data; "copy": duplicated from `src`, which keeps its own)."""
-        self._record(action, node, kind, src, tier, self._add(node, kind, tier))
-        if kind is ItemKind.CHECKPOINT:
-            self._on_checkpoint_put(node, tier, action)
+        size = self._add(node, kind, tier)
+        self._record(action, node, kind, src, tier, size)
+        self._on_put(node, kind, tier, action, size)
 
     def drop(self, node: Node, kind: ItemKind, tier: Tier) -> None:
         self._record("drop", node, kind, tier, None, self._sub(node, kind, tier))
@@ -61,7 +61,9 @@ class ItemBook:
 
     def move(self, node: Node, kind: ItemKind, src: Tier, dst: Tier) -> None:
         self._sub(node, kind, src)
-        self._record("move", node, kind, src, dst, self._add(node, kind, dst))
+        size = self._add(node, kind, dst)
+        self._record("move", node, kind, src, dst, size)
+        self._on_put(node, kind, dst, "move", size)
 
     def drop_all(self, node: Node) -> None:
         """Every copy of `node`'s KV and checkpoint (a leaf leaving the tree)."""

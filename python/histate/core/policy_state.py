@@ -12,25 +12,35 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .config import NEAR_END_WINDOW_PAGES, CacheConfig
-from .interval import Ema, IntervalController
+from .interval import Ema, IntervalController, TierFlow
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
-from .types import UnitKind
-from .units import expected_recompute_tokens, last_access_s, reclaim_tokens
+from .types import ALL_TIERS, Tier, UnitKind
+from .units import expected_cost_tokens, last_access_s, reclaim_tokens
 
 
 class PolicyState:
-    def __init__(self, policy: Policy, config: CacheConfig):
+    def __init__(self, policy: Policy, config: CacheConfig, demotion_tier: Optional[dict] = None):
+        """`demotion_tier`: tier -> the tier a unit evicted from it moves to (None: dropped); with the
+        config's restore costs it lets eq. 7 charge a demotion its transfer (policies opt in)."""
         self.policy = policy
         self.config = config
+        home = policy.historical_tier if policy.historical_tier in config.capacity_bytes else Tier.GPU
+        self.kv_tier, self.state_home_tier = Tier.GPU, home
         self.controller = IntervalController(
             config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
-            config.ema_alpha)
+            config.ema_alpha, *((TierFlow(config.capacity_bytes[Tier.GPU]), TierFlow(config.capacity_bytes[home]))
+                                if policy.estimates_residence_by_flow else (None, None)))
         self.terminal_hits = Ema(config.ema_alpha, config.initial_terminal_hit_prob)
         # The learned reuse-position prior: P(an interior hit lands k pages before its trajectory's end)
         # for k = 1..window, from observed hits; policies that keep the paper's uniform prior ignore it.
         self.learns_near_end = getattr(policy, "learns_reuse_positions", False)
         self.near_end_hits = [Ema(config.ema_alpha, 0.0) for _ in range(NEAR_END_WINDOW_PAGES)]
+        self._restore_cost, self._demotion_tier = (), ()
+        if getattr(policy, "charges_demotions", False) and config.restore_cost_tokens and demotion_tier:
+            self._restore_cost = tuple(float(config.restore_cost_tokens.get(t, 0.0)) for t in ALL_TIERS)
+            self._demotion_tier = tuple(-1 if demotion_tier.get(t) is None else int(demotion_tier[t])
+                                        for t in ALL_TIERS)
         self._ctx = self._context()
 
     # --- scoring (eq. 7) ---------------------------------------------------------------------------
@@ -51,7 +61,7 @@ class PolicyState:
         """(t_last_s, C_tokens, M_tokens, score) of eq. 7 for a unit, C and M as HiState defines them
         whatever the policy (diagnosis: what the unit was worth when it was chosen)."""
         ctx = self._ctx
-        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        cost = expected_cost_tokens(node, unit, bit, ctx)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
         return last_access_s(node, unit, bit), cost, reclaim, self.score(node, unit, bit)
 
@@ -69,7 +79,8 @@ class PolicyState:
 
     def _context(self) -> ScoringContext:
         probs = tuple(e.value for e in self.near_end_hits) if self.learns_near_end else ()
-        return ScoringContext.of(self.config, self.terminal_hits.value, probs)
+        return ScoringContext.of(self.config, self.terminal_hits.value, probs, self._restore_cost,
+                                 self._demotion_tier)
 
     def observe_match(self, num_kv_pages: int, end_offset_pages) -> None:
         """A request matched: update q (the share of hits that land at a trajectory's end, judged by
@@ -132,6 +143,16 @@ class PolicyState:
     def on_state_written(self, now_s: float) -> None:
         """A checkpoint reached its home tier (starts the censored T_state estimate)."""
         self.controller.note_state_written(now_s)
+
+    def on_bytes_in(self, tier: Tier, size_bytes: int, now_s: float) -> None:
+        """Bytes entered a tier (a put, a copy or a move): the insertion rates of Little's law."""
+        controller = self.controller
+        if controller.kv_flow is None:
+            return
+        if tier == self.kv_tier:
+            controller.kv_flow.note(now_s, size_bytes)
+        if tier == self.state_home_tier:
+            controller.state_flow.note(now_s, size_bytes)
 
     def pressure_ratio(self, now_s: Optional[float] = None) -> float:
         return self.controller.pressure_ratio(now_s)

@@ -22,10 +22,16 @@ class ScoringContext:
     near_end_probs: tuple = ()
     """p'_k, k = 1..window: P(an interior hit lands k pages before its trajectory's end), learned; the
     rest of the interior mass, 1 - sum(p'), is spread uniformly (the paper's p_t). Empty: uniform."""
+    restore_cost: tuple = ()
+    """Per tier index: recompute-tokens it costs to restore one token of KV from that tier (0 for the
+    GPU). Empty: every eviction is charged its recompute (the paper's C)."""
+    demotion_tier: tuple = ()
+    """Per tier index: the tier index a unit evicted from it moves to, or -1 when it is dropped."""
     attention_pair_tokens: float = 0.0
     """One attention (query, key) pair in per-token FLOPs (CacheConfig.attention_pair_tokens)."""
 
     @classmethod
-    def of(cls, config, terminal_prob: float, near_end_probs: tuple = ()) -> "ScoringContext":
+    def of(cls, config, terminal_prob: float, near_end_probs: tuple = (), restore_cost: tuple = (),
+           demotion_tier: tuple = ()) -> "ScoringContext":
         return cls(config.tau_s, config.page_num_tokens, config.checkpoint_token_equiv, terminal_prob,
-                   near_end_probs, config.attention_pair_tokens)
+                   near_end_probs, restore_cost, demotion_tier, config.attention_pair_tokens)

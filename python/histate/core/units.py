@@ -116,23 +116,48 @@ def served_near_end_mass(node: Node, near_end_probs: tuple) -> float:
     return mass
 
 
-def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, page_num_tokens: int,
-                              near_end_probs: tuple = ()) -> float:
-    """C_x of eq. 7: extra tokens recomputed, in expectation, if unit x disappears."""
-    gap_pages = node.depth_pages - prev_checkpoint_depth(node)
+def hit_share(node: Node, unit: UnitKind, terminal_prob: float, near_end_probs: tuple = ()) -> float:
+    """The expected number of a trajectory's hits (per hit on it) that need unit x: q for its terminal
+    state, the interior share it serves for an intermediate checkpoint, 1 for interior KV (every hit
+    below passes through it), 0 for a leaf's KV without its state (no hit can use it alone)."""
     if unit is UnitKind.BUNDLE:
         if node.children:
-            return float(gap_pages * page_num_tokens)  # interior KV: every hit below passes through it
-        return terminal_prob * gap_pages * page_num_tokens if node.ckpt_mask else 0.0
+            return 1.0
+        return terminal_prob if node.ckpt_mask else 0.0
     if not node.children:  # terminal checkpoint whose KV lives in another tier
-        return terminal_prob * gap_pages * page_num_tokens
+        return terminal_prob
     span_pages = sum(pages_until_checkpoint(c) for c in node.children.values())
-    trajectory_pages = node.depth_pages + span_pages
-    uniform = 1.0 - sum(near_end_probs)
-    share = uniform * span_pages / trajectory_pages
+    share = (1.0 - sum(near_end_probs)) * span_pages / (node.depth_pages + span_pages)
     if near_end_probs:
         share += served_near_end_mass(node, near_end_probs)
-    return (1.0 - terminal_prob) * gap_pages * share * page_num_tokens
+    return (1.0 - terminal_prob) * share
+
+
+def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, page_num_tokens: int,
+                              near_end_probs: tuple = ()) -> float:
+    """The paper's C_x: extra tokens recomputed, in expectation, if unit x disappears (each hit that
+    needed it resumes at the previous checkpoint, a gap earlier)."""
+    gap_pages = node.depth_pages - prev_checkpoint_depth(node)
+    return hit_share(node, unit, terminal_prob, near_end_probs) * gap_pages * page_num_tokens
+
+
+_TIER_OF_BIT = {1: 0, 2: 1, 4: 2}
+
+
+def expected_cost_tokens(node: Node, unit: UnitKind, bit: int, ctx) -> float:
+    """C_x of eq. 7 in tokens of recompute time: what the hits that need x lose when x leaves the tier
+    of `bit`. A unit evicted from the last tier is dropped: they recompute its gap (the paper's C). A
+    unit evicted from a tier with a tier below is demoted there: they restore it from the slower tier
+    instead, which costs its bytes times the difference of the tiers' restore costs (ScoringContext.
+    restore_cost, in recompute-tokens per token of KV). Without restore costs every eviction is charged
+    its recompute, as in the paper."""
+    tier = _TIER_OF_BIT[bit]
+    lower = ctx.demotion_tier[tier] if ctx.demotion_tier else -1
+    if lower < 0:
+        return expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+    moved = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+    share = hit_share(node, unit, ctx.terminal_prob, ctx.near_end_probs)
+    return share * moved * (ctx.restore_cost[lower] - ctx.restore_cost[tier])
 
 
 def reclaim_tokens(node: Node, unit: UnitKind, bit: int, page_num_tokens: int, checkpoint_tokens: float) -> float:

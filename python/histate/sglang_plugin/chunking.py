@@ -19,6 +19,17 @@ Two HookRegistry hooks on `PrefillAdder` apply it: AROUND `_commit_prefill_admis
 request: its plan is made here, from the reused prefix) and AROUND `floor_chunked_tokens` (a
 continuing chunk; `add_chunked_req` is wrapped to say which request is being cut). Only cuts
 are moved: a final chunk is never shortened, so a request's prefill always completes.
+
+A cut request ends the batch's admission. The scheduler tracks one chunked request
+(`scheduler.py:4324-4327`: `assert self.chunked_req is None` before it takes
+`adder.new_chunked_req`), and stock keeps a batch to one truncated request only through the
+budget: a truncated admission takes the whole remaining chunk (`extend_len =
+chunk_tokens_limit`, schedule_policy.py:1646-1674; a continuing chunk takes `_rem_tokens`,
+:1140-1222), so `budget_state()` (:874-893) stops the loop at scheduler.py:4207 or :4279.
+A chunk HiState shortened leaves budget behind; without ending the budget, a second request
+could be truncated in the same batch (and decode from a cut prompt, not being the one
+`chunked_req`) or a new request chunked next to a continuing one (the assert). So after a cut
+the chunk budget is spent: `rem_chunk_tokens` <= 0.
 """
 from __future__ import annotations
 
@@ -27,8 +38,19 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 _MODULE = "sglang.srt.managers.schedule_policy.PrefillAdder"
-_current_req: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("histate_chunk_req", default=None)
 _installed = False
+
+
+@dataclasses.dataclass
+class _ContinuingChunk:
+    """The request `add_chunked_req` is sizing, and whether HiState cut its chunk."""
+
+    req: Any
+    cut: bool = False
+
+
+_continuing: contextvars.ContextVar[Optional[_ContinuingChunk]] = contextvars.ContextVar(
+    "histate_continuing_chunk", default=None)
 
 
 def align_chunk_end(prefix_len: int, extend_len: int, total_len: int, plan: Sequence[int], mode: str) -> int:
@@ -75,9 +97,15 @@ def plan_of(req: Any, cache: Any, reused_tokens: int) -> list[int]:
     return plan
 
 
+def end_chunk_budget(adder: Any) -> None:
+    """Spend the batch's chunk budget, so `budget_state()` ends admission (module docstring)."""
+    adder.rem_chunk_tokens = min(adder.rem_chunk_tokens, 0)
+
+
 def commit_admission_around(original: Any, adder: Any, req: Any, admission: Any, *args: Any, **kwargs: Any) -> Any:
     cache = _histate_cache(adder)
-    if cache is not None:
+    cut = False
+    if cache is not None and adder.rem_chunk_tokens is not None:  # chunked prefill is on
         mode = cache.histate.config.chunk_align
         total = len(req.full_untruncated_fill_ids)
         plan = plan_of(req, cache, admission.prefix_len)
@@ -87,27 +115,36 @@ def commit_admission_around(original: Any, adder: Any, req: Any, admission: Any,
             if extend != admission.extend_len:
                 admission = dataclasses.replace(admission, extend_len=extend, is_chunked=True, max_new_tokens=0)
                 cache.histate.metrics.record_chunk_cut("floor" if mode == "floor" else "split")
-    return original(adder, req, admission, *args, **kwargs)
+                cut = True
+    result = original(adder, req, admission, *args, **kwargs)
+    if cut:
+        end_chunk_budget(adder)
+    return result
 
 
 def add_chunked_req_around(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    token = _current_req.set(req)
+    chunk = _ContinuingChunk(req)
+    token = _continuing.set(chunk)
     try:
-        return original(adder, req, *args, **kwargs)
+        result = original(adder, req, *args, **kwargs)
     finally:
-        _current_req.reset(token)
+        _continuing.reset(token)
+    if chunk.cut:
+        end_chunk_budget(adder)
+    return result
 
 
 def floor_chunked_tokens_around(original: Any, adder: Any, trunc_len: int, remaining: int) -> int:
     new_len = original(adder, trunc_len, remaining)
-    req, cache = _current_req.get(), _histate_cache(adder)
-    if req is None or cache is None or new_len >= remaining:
+    chunk, cache = _continuing.get(), _histate_cache(adder)
+    if chunk is None or cache is None or new_len >= remaining:
         return new_len  # not a continuing chunk of ours, or the final chunk: never shortened
-    mode = cache.histate.config.chunk_align
+    req, mode = chunk.req, cache.histate.config.chunk_align
     aligned = align_chunk_end(req.prefix_len, new_len, req.prefix_len + remaining,
                               plan_of(req, cache, req.prefix_len), mode)
     if aligned != new_len:
         cache.histate.metrics.record_chunk_cut("floor" if mode == "floor" else "split")
+        chunk.cut = True
     return aligned
 
 

@@ -9,19 +9,31 @@ Three hooks, all on public `ServerArgs` entry points (research/sglang-0.5.23.md 
 Applying = rejecting incompatible flags and writing the implied SGLang settings onto the raw
 record while it is still input (before `resolve_once` seals it). The stash is an underscore,
 non-field attribute, which `ServerArgs.__reduce__` pickles to the spawned scheduler.
+
+Bad input on the command line ends like an argparse error: one line, "sglang serve: error: ..."
+naming the flag, exit status 2, no traceback. That holds for errors found while parsing
+(`from_cli_args`) and, for records that came from the command line, for those found once the
+model config is known (`resolve_once`, see plugin.py). On the `Engine(**kwargs)` path the same
+errors are raised as `HiStateConfigError` for the caller.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
-from .config import CONFIG_ATTR, OPTIONS, HiStateConfig, cli_dest, cli_values_from_namespace, resolve_config
+from .config import (CONFIG_ATTR, OPTIONS, HiStateConfig, HiStateConfigError, cli_dest, cli_values_from_namespace,
+                     resolve_config)
 from .server_settings import apply_to_record
 
 logger = logging.getLogger(__name__)
 
 ARG_GROUP_TITLE = "HiState (sglang-histate plugin: hybrid-model prefix cache)"
+ERROR_PROG = "sglang serve"
+"""The `prog` of SGLang's own argument parser (server_args.py:679), so our errors read like its."""
+FROM_CLI_ATTR = "_histate_from_cli"
+"""Underscore bookkeeping attribute: this record was parsed from a command line."""
 
 
 def add_histate_arguments(parser: Any) -> None:
@@ -30,13 +42,16 @@ def add_histate_arguments(parser: Any) -> None:
         return
     group = parser.add_argument_group(ARG_GROUP_TITLE)
     for opt in OPTIONS:
-        help_text = f"{opt.help} [env: {opt.env}]"
+        help_text = f"{opt.help} [env: {opt.env}]".replace("%", "%%")  # argparse %-formats help
         if opt.is_switch:
             group.add_argument(opt.flag, dest=cli_dest(opt), action="store_true", default=False,
                                help=help_text)
         else:
+            # Choices are checked by our parser (one line naming the flag), not by argparse (which
+            # would print SGLang's whole usage first); the metavar still lists them.
+            metavar = "{" + ",".join(opt.choices) + "}" if opt.choices else opt.metavar
             group.add_argument(opt.flag, dest=cli_dest(opt), default=None, nargs=opt.nargs,
-                               metavar=opt.metavar, choices=opt.choices, help=help_text)
+                               metavar=metavar, help=help_text)
 
 
 def add_cli_args_after(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
@@ -50,11 +65,28 @@ def _apply(record: Any, config: HiStateConfig) -> None:
         logger.info("HiState enabled: %s; SGLang settings implied: %s", config.describe(), changes)
 
 
+def exit_with_usage_error(message: str) -> NoReturn:
+    """End the process the way argparse ends it on a bad argument: one line, status 2."""
+    print(f"{ERROR_PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def report_config_error(record: Any, error: HiStateConfigError) -> NoReturn:
+    """A command-line record: one line and exit 2. Otherwise (Engine): raise for the caller."""
+    if getattr(record, FROM_CLI_ATTR, False):
+        exit_with_usage_error(str(error))
+    raise error
+
+
 def from_cli_args_around(original: Any, cls: Any, args: Any) -> Any:
-    config = resolve_config(cli_values_from_namespace(args), os.environ)
-    record = original(cls, args)
-    setattr(record, CONFIG_ATTR, config)
-    _apply(record, config)
+    try:
+        config = resolve_config(cli_values_from_namespace(args), os.environ)
+        record = original(cls, args)
+        setattr(record, CONFIG_ATTR, config)
+        setattr(record, FROM_CLI_ATTR, True)
+        _apply(record, config)
+    except HiStateConfigError as error:
+        exit_with_usage_error(str(error))
     return record
 
 
@@ -65,7 +97,10 @@ def resolve_once_before(record: Any, *args: Any, **kwargs: Any) -> None:
     if config is None:
         config = resolve_config({}, os.environ)
         setattr(record, CONFIG_ATTR, config)
-    _apply(record, config)
+    try:
+        _apply(record, config)
+    except HiStateConfigError as error:
+        report_config_error(record, error)
     return None
 
 

@@ -45,6 +45,25 @@ class _UnifiedWalk:
 
 
 class HiStateFullComponent(_UnifiedWalk, FullComponent):
+    def acquire_component_lock(self, node: Any, result: Any, lock_host: bool = False) -> Any:
+        """SGLang's FULL lock drops the locked path's device leaf from `evictable_device_leaves`
+        directly (full.py:326), past the leaf-set hook the ranker listens to. Re-offer that node so
+        it is ranked as what it is now: nothing while locked, or an interior-style checkpoint when
+        the request skipped its Mamba lock (SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK)."""
+        leaf = None if lock_host else self._device_leaf_above(node)
+        result = super().acquire_component_lock(node, result, lock_host)
+        if leaf is not None:
+            self.cache.histate.ranker.touch(leaf)
+        return result
+
+    def _device_leaf_above(self, node: Any) -> Any:
+        """The first node on the path up from `node` that holds KV on the device, if it is an
+        evictable leaf (only it can be one: every node above it has a device child)."""
+        core = self.tree_core
+        while node is not core.root_node and node.component_data[self.component_type].value is None:
+            node = node.parent
+        return node if node in core.evictable_device_leaves else None
+
     def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
                                 cache_actions: list) -> Any:
         victim = self._next_victim(tracker)

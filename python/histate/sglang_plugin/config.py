@@ -156,12 +156,13 @@ OPTIONS: tuple[Option, ...] = (
                 "Env: comma-separated. Without it HiState runs on device + host memory only."),
     Option("ssd_size_bytes", "--histate-ssd-size", "HISTATE_SSD_SIZE", parse_size_bytes, metavar="SIZE",
            help="SSD budget across all directories, e.g. 150GiB (a bare number is GB). "
-                "0 = bounded only by free disk space."),
+                "0 = 90% of the free space in those directories at start."),
     Option("intervals_tokens", "--histate-intervals", "HISTATE_INTERVALS", parse_intervals_tokens,
            nargs="+", metavar="TOKENS",
            help="Supported checkpoint intervals in tokens (multiples of 64), e.g. 1024,2048,4096. "
                 "Adaptive interval control picks one per new segment (paper eq. 5). "
-                "Default: 128 ... 32768 in powers of two."),
+                "Default: 128 ... 32768 in powers of two; defaults off this server's state grid "
+                "(lcm of the page size and the model's state chunk) are left out."),
     Option("tau_s", "--histate-tau", "HISTATE_TAU", _parse_float, metavar="SECONDS",
            help="Time scale of unified eviction, H = t_last + tau * C / M (paper eq. 7), in seconds."),
     Option("host_state_slots", "--histate-host-state-slots", "HISTATE_HOST_STATE_SLOTS", _parse_count,
@@ -205,15 +206,25 @@ class HiStateConfig:
     def has_ssd(self) -> bool:
         return bool(self.ssd_dirs)
 
-    def intervals_pages(self, page_num_tokens: int) -> tuple[int, ...]:
-        """Intervals in tree pages; raises naming the flag if one is off the page grid."""
-        bad = [i for i in self.intervals_tokens if i % page_num_tokens]
-        if bad:
+    def intervals_pages(self, grid_tokens: int) -> tuple[int, ...]:
+        """Intervals in units of the state grid (`grid_tokens` = lcm(page size, the model's
+        state chunk): where SGLang can keep a checkpoint). Default intervals off the grid are
+        dropped (a 256-token page has no 128-token checkpoints); an interval the user gave off
+        the grid is an error naming the flag or env var that gave it."""
+        off_grid = [i for i in self.intervals_tokens if i % grid_tokens]
+        source = self.sources.get("intervals_tokens", "default")
+        option = OPTIONS_BY_FIELD["intervals_tokens"]
+        name = {"cli": option.flag, "env": option.env}.get(source)
+        if off_grid and name is not None:
             raise HiStateConfigError(
-                f"--histate-intervals: {bad} are not multiples of the tree page "
-                f"({page_num_tokens} tokens = lcm(page size, 64-token state grid))"
-            )
-        return tuple(i // page_num_tokens for i in self.intervals_tokens)
+                f"{name}: {off_grid} are not multiples of this server's {grid_tokens}-token state grid "
+                f"(lcm of --page-size and the model's state chunk); use multiples of {grid_tokens}")
+        on_grid = tuple(i // grid_tokens for i in self.intervals_tokens if i % grid_tokens == 0)
+        if not on_grid:
+            raise HiStateConfigError(
+                f"{option.flag}: no default interval is a multiple of this server's {grid_tokens}-token "
+                f"state grid; give {option.flag} with multiples of {grid_tokens}")
+        return on_grid
 
     def describe(self) -> str:
         parts = [f"{f}={getattr(self, f)!r}({self.sources.get(f, 'default')})" for f in OPTIONS_BY_FIELD]
@@ -242,6 +253,9 @@ def resolve_config(
         else:
             sources[opt.field] = "default"
     config = HiStateConfig(**values, sources=sources)
+    given = [opt.flag for opt in OPTIONS if sources[opt.field] == "cli" and not opt.is_switch]
+    if given and not config.enable:
+        raise HiStateConfigError(f"{given[0]} needs --enable-histate (HiState is off)")
     if config.ssd_size_bytes and not config.ssd_dirs:
         raise HiStateConfigError("--histate-ssd-size needs --histate-ssd-dir (no SSD directory given)")
     return config

@@ -14,6 +14,14 @@ version bumps and it is re-offered with a lower bound of its score, its last acc
 entry reaching the top is re-scored and pushed back if its true score is higher. Touches come
 from the tree core (every evictable-leaf-set update: insert, split, lock release, eviction) and
 from new checkpoints (whose neighbours' costs drop). No walk scans the tree.
+
+A node met while a lock keeps it from being a unit (its entry at the top of a heap, or its touch
+flushed) is set aside and re-offered at the first walk after it forms a unit again. Lock
+release does not always reach us as a change: SGLang lowers
+`lock_ref` before it calls `_update_evictable_leaf_sets` (components/mamba.py:523-525,
+components/full.py:373-375), so an interior checkpoint looks evictable both before and after
+that call, and a scheduler admission pops it while it is locked (copy-on-write of the matched
+state: lock, evict_for_alloc, unlock; components/mamba.py:215-221).
 """
 from __future__ import annotations
 
@@ -32,6 +40,10 @@ def _version(node: Any) -> int:
     return getattr(node, "_hs_version", 0)
 
 
+def _locked(node: Any) -> bool:
+    return any(data.lock_ref > 0 for data in node.component_data)
+
+
 class UnifiedEvictionRanker:
     """Candidate heaps over one SGLang tree; owned by `HiStateRadixCache`."""
 
@@ -46,6 +58,7 @@ class UnifiedEvictionRanker:
         self.bundles: list = []
         self.checkpoints: list = []
         self._dirty: dict[int, Any] = {}
+        self._locked: dict[int, Any] = {}  # met while locked: re-offered once they form a unit
         self._ctx: Optional[ScoringContext] = None
 
     # --- change notifications -------------------------------------------------------------------
@@ -103,13 +116,32 @@ class UnifiedEvictionRanker:
             return
         dirty, self._dirty = self._dirty, {}
         for node in dirty.values():
-            unit = self.unit_of(node)
-            if unit is not None:
-                self._push(node, unit)
+            self._offer(node)
         for heap in (self.bundles, self.checkpoints):
             if len(heap) > _COMPACT_FACTOR * (len(self.tree_core._node_arena) + 1024):
                 heap[:] = [e for e in heap if not getattr(e[2], "_hs_dead", False) and _version(e[2]) == e[4]]
                 heapq.heapify(heap)
+
+    def _offer(self, node: Any) -> None:
+        """Push `node` under the unit it forms now; set it aside if only a lock stops it forming
+        one. A node with no device unit and no lock is dropped: a touch re-offers it when device
+        data comes back (insert, split, load-back)."""
+        unit = self.unit_of(node)
+        if unit is not None:
+            self._push(node, unit)
+        elif _locked(node):
+            self._locked[id(node)] = node
+
+    def _reoffer_unlocked(self) -> None:
+        """Offer again the nodes set aside while locked that form a unit now (walk start only:
+        nothing unlocks during a walk, which runs inside one `evict` call). A node stays set
+        aside while a lock still keeps it from being a unit."""
+        for key, node in list(self._locked.items()):
+            if getattr(node, "_hs_dead", False):
+                del self._locked[key]
+            elif self.unit_of(node) is not None or not _locked(node):
+                del self._locked[key]
+                self._offer(node)
 
     def _top(self, heap: list, unit: UnitKind, need_state: bool, parked: list) -> Optional[tuple]:
         """The lowest valid entry of `heap` (left on the heap), re-ranking stale scores."""
@@ -118,8 +150,9 @@ class UnifiedEvictionRanker:
             if getattr(node, "_hs_dead", False) or version != _version(node):
                 heapq.heappop(heap)
                 continue
-            if self.unit_of(node) is not unit:
-                heapq.heappop(heap)  # locked or reclassified; a later touch re-offers it
+            if self.unit_of(node) is not unit:  # reclassified without a notification, or locked
+                heapq.heappop(heap)
+                self._dirty[id(node)] = node  # offered (or set aside) by the next flush
                 continue
             if need_state and not has_device_state(node):
                 parked.append(heapq.heappop(heap))  # frees no state slot; valid for token walks
@@ -133,6 +166,7 @@ class UnifiedEvictionRanker:
 
     def check_offered(self) -> None:
         """Invariant H4: after a flush, every current device unit has a live heap entry."""
+        self._reoffer_unlocked()
         self.flush()
         live = {(id(e[2]), e[3]) for heap in (self.bundles, self.checkpoints) for e in heap
                 if not getattr(e[2], "_hs_dead", False) and e[4] == _version(e[2])}
@@ -145,22 +179,26 @@ class UnifiedEvictionRanker:
 
     def begin_walk(self) -> None:
         self._ctx = None  # snapshot the terminal-hit probability for this walk
+        self._reoffer_unlocked()
         self.flush()
 
     def next_victim(self, want_state: bool) -> Optional[tuple[Any, UnitKind]]:
         """Pop the lowest-scored unit that frees KV (`want_state=False`) or a state slot."""
-        self.flush()
-        parked: list = []
-        try:
-            best_bundle = self._top(self.bundles, UnitKind.BUNDLE, want_state, parked)
-            best_ckpt = self._top(self.checkpoints, UnitKind.CHECKPOINT, False, parked) if want_state else None
-            candidates = [e for e in (best_bundle, best_ckpt) if e is not None]
-            if not candidates:
-                return None
-            entry = min(candidates)
-            # Both tops are still at heap[0]; pop the winner before the parked entries return.
-            heapq.heappop(self.bundles if entry[3] is UnitKind.BUNDLE else self.checkpoints)
-            return entry[2], entry[3]
-        finally:
-            for parked_entry in parked:
-                heapq.heappush(self.bundles, parked_entry)
+        while True:
+            self.flush()
+            parked: list = []
+            try:
+                best_bundle = self._top(self.bundles, UnitKind.BUNDLE, want_state, parked)
+                best_ckpt = self._top(self.checkpoints, UnitKind.CHECKPOINT, False, parked) if want_state else None
+                if self._dirty:  # a top was reclassified: offer it under its unit and look again
+                    continue
+                candidates = [e for e in (best_bundle, best_ckpt) if e is not None]
+                if not candidates:
+                    return None
+                entry = min(candidates)
+                # Both tops are still at heap[0]; pop the winner before the parked entries return.
+                heapq.heappop(self.bundles if entry[3] is UnitKind.BUNDLE else self.checkpoints)
+                return entry[2], entry[3]
+            finally:
+                for parked_entry in parked:
+                    heapq.heappush(self.bundles, parked_entry)

@@ -12,6 +12,7 @@ the scheduler process, and only when HiState is actually selected.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -21,22 +22,38 @@ _registered = False
 
 
 def _check_hybrid_model(server_args: Any, previous: Callable[[Any], None]) -> None:
-    """Resolution-step wrapper (runs once the model config exists): HiState needs recurrent state."""
-    from .cli_hooks import config_of
+    """Resolution-step wrapper, run once the model config and the page size are resolved
+    (`handle_hicache`, after the page-size default; arg_groups/pipeline.py): HiState needs
+    recurrent state, and intervals the user gave must sit on this server's state grid."""
+    from .cli_hooks import config_of, report_config_error
     from .config import HiStateConfigError
 
-    if config_of(server_args).enable:
+    config = config_of(server_args)
+    if config.enable:
         from sglang.srt.arg_groups.model_override_base import model_config_of
         from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
 
         model_config = model_config_of(server_args)
-        if not uses_ssm_state(model_config):
-            arch = getattr(model_config.hf_config, "architectures", None) or ["?"]
-            raise HiStateConfigError(
-                f"--enable-histate needs a hybrid model with recurrent (Mamba / Gated-DeltaNet) "
-                f"layers; {arch[0]} has none. Drop --enable-histate for this model."
-            )
+        try:
+            if not uses_ssm_state(model_config):
+                arch = getattr(model_config.hf_config, "architectures", None) or ["?"]
+                raise HiStateConfigError(
+                    f"--enable-histate needs a hybrid model with recurrent (Mamba / Gated-DeltaNet) "
+                    f"layers; {arch[0]} has none. Drop --enable-histate for this model."
+                )
+            config.intervals_pages(state_grid_tokens(server_args))
+        except HiStateConfigError as error:
+            report_config_error(server_args, error)
     previous(server_args)
+
+
+def state_grid_tokens(server_args: Any) -> int:
+    """Where SGLang can keep a checkpoint: lcm(the model's state chunk, page size), as
+    `runtime_context.mamba_checkpoint_grid` computes it for the cache (runtime_context.py:1966-1971;
+    the cache re-checks with its own tree page, which DCP can widen)."""
+    from sglang.srt.arg_groups.overrides import mamba_cache_chunk_size, resolved_view
+
+    return math.lcm(mamba_cache_chunk_size(server_args), resolved_view(server_args).page_size)
 
 
 def _lazy_factory(ctx: Any) -> Any:

@@ -58,6 +58,10 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
     (lambda r: _flag(r, "hicache_write_policy", "write_through") == "write_back",
      "--enable-histate needs a write-through host tier (--hicache-write-policy write_through or "
      "write_through_selective): checkpoints flow device -> host -> SSD as they are created."),
+    (lambda r: _flag(r, "mamba_radix_cache_strategy") == "extra_buffer_lazy",
+     "--enable-histate does not support --mamba-radix-cache-strategy extra_buffer_lazy yet: its "
+     "on-demand track slots are not covered by HiState's checkpoint placement and tests. Use "
+     "extra_buffer (or auto)."),
     (lambda r: _flag(r, "hicache_storage_backend") not in (None, "dynamic"),
      "--enable-histate brings its own SSD backend; drop --hicache-storage-backend "
      "and give --histate-ssd-dir DIR instead."),

@@ -7,6 +7,11 @@ Owns every constant the simulator charges time with, each with its source:
   against /work/shared/research/anchors.md §7.2 and refmodel.md §(c). Derived sizes and parameter
   counts are exact for those configs (counted on meta-device models: 8,953,803,264 and
   79,674,391,296 parameters).
+* Native context (`native_context_num_tokens`, the longest prompt the model serves; the replay's
+  default max context): 262,144 tokens for both Qwen3.5-9B and Qwen3-Next-80B-A3B ("Context
+  Length: 262,144 natively", Hugging Face model cards Qwen/Qwen3.5-9B and
+  Qwen/Qwen3-Next-80B-A3B-Instruct; `transformers`' `max_position_embeddings=32768` is only the
+  config class default); 65,536 for the tiny reference model (`histate/reference/model.py:65`).
 * Sizes: KV/token = attention layers x 2 (K, V) x KV heads x head_dim x dtype bytes; one
   checkpoint = linear layers x (SSM state H_v x d_k x d_v in FP32 + conv state conv_dim x
   (kernel - 1) columns in BF16), conv_dim = 2 H_k d_k + H_v d_v (refmodel.md §(c)).
@@ -73,6 +78,7 @@ class HybridArchitecture:
     conv_state_num_columns: Optional[int] = None  # kernel - 1 (SGLang, vLLM); transformers keeps kernel
     weight_dtype_bytes: int = 2
     gdn_chunk_num_tokens: int = 64       # FLA chunk size (chunked gated delta rule)
+    native_context_num_tokens: int = 262144  # longest served prompt (Qwen3.5 / Qwen3-Next: model cards)
 
     @property
     def num_linear_layers(self) -> int:
@@ -143,6 +149,7 @@ class ModelSpec:
     dense_weight_bytes: float                # weights every forward pass reads (no input embedding)
     expert_weight_bytes: float               # all routed experts
     expert_fraction_per_token: float         # experts_per_tok / num_experts
+    native_context_num_tokens: int           # longest prompt the model serves (the default max context)
     architecture: Optional[HybridArchitecture] = None
 
     @classmethod
@@ -172,6 +179,7 @@ class ModelSpec:
             dense_weight_bytes=float((arch.dense_params + head_params) * arch.weight_dtype_bytes),
             expert_weight_bytes=float(arch.expert_params * arch.weight_dtype_bytes),
             expert_fraction_per_token=(arch.num_experts_per_tok / arch.num_experts) if arch.num_experts else 0.0,
+            native_context_num_tokens=arch.native_context_num_tokens,
             architecture=arch,
         )
 
@@ -185,14 +193,15 @@ QWEN35_9B_ARCH = HybridArchitecture(
     name="qwen3.5-9b", num_layers=32, num_attention_layers=8, hidden_size=4096, vocab_size=248320,
     num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-    intermediate_size=12288)
+    intermediate_size=12288, native_context_num_tokens=262144)
 
 QWEN3_NEXT_80B_A3B_ARCH = HybridArchitecture(
     name="qwen3-next-80b-a3b", num_layers=48, num_attention_layers=12, hidden_size=2048, vocab_size=151936,
     num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
     linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
     num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-    weight_dtype_bytes=1)  # FP8 weights: 80 B params in BF16 (159 GB) do not fit one H100/H200
+    # FP8 weights: 80 B params in BF16 (159 GB) do not fit one H100/H200
+    weight_dtype_bytes=1, native_context_num_tokens=262144)
 
 TINY_QWEN35_ARCH = HybridArchitecture(
     # histate.reference's tiny random-weight Qwen3.5 (refmodel.md: 8 layers 3:1, hidden 128, fp32);
@@ -200,7 +209,8 @@ TINY_QWEN35_ARCH = HybridArchitecture(
     name="tiny-qwen3.5", num_layers=8, num_attention_layers=2, hidden_size=128, vocab_size=512,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, intermediate_size=256,
-    kv_dtype_bytes=4, conv_dtype_bytes=4, conv_state_num_columns=4, weight_dtype_bytes=4)
+    kv_dtype_bytes=4, conv_dtype_bytes=4, conv_state_num_columns=4, weight_dtype_bytes=4,
+    native_context_num_tokens=65536)
 
 QWEN35_9B = ModelSpec.from_architecture(QWEN35_9B_ARCH)
 QWEN3_NEXT_80B_A3B = ModelSpec.from_architecture(QWEN3_NEXT_80B_A3B_ARCH)
@@ -304,6 +314,16 @@ def load_time_s(size_bytes: float, tier: Optional[int], hw: HardwareSpec) -> flo
     if tier == SSD_TIER:
         return size_bytes / hw.ssd_read_bandwidth_bytes_per_s + h2d
     raise ValueError(f"unknown tier {tier!r}")
+
+
+def restore_cost_tokens(model: "ModelSpec", hw: HardwareSpec, step_cost: "RooflineStepCost",
+                        reference_chunk_tokens: int = 8192, reference_context_tokens: int = 32768) -> dict:
+    """Per tier: restoring one token's KV from it (eq. 2) in units of recomputing one token (a
+    chunked-prefill step of `reference_chunk_tokens` on a `reference_context_tokens` context: a typical
+    step of an agent request). What eq. 7 charges a unit that is demoted instead of dropped
+    (histate.core CacheConfig.restore_cost_tokens). Qwen3.5-9B on an H100: CPU ~0.016, SSD ~0.2."""
+    per_token_s = step_cost.prefill_time_s(reference_chunk_tokens, reference_context_tokens) / reference_chunk_tokens
+    return {tier: load_time_s(model.kv_bytes_per_token, tier, hw) / per_token_s for tier in (CPU_TIER, SSD_TIER)}
 
 
 def restore_time_s(kv_bytes_by_tier: Mapping, checkpoint_size_bytes: int, checkpoint_tier: Optional[int],

@@ -6,6 +6,20 @@ admitted. The order is the same for every policy, so policies see the same sessi
 session is closed-loop (request.py: a request arrives its think/tool gap after the previous one
 completes), so a slower policy stretches its own replay, as a real server would.
 
+Which sessions (`admission_order`): a seeded shuffle of the roots, cut at `max_sessions`. With
+`session_sampling="all"` the shuffle covers every root of the source, including those the
+max-context rule emptied (`Workload.root_ids`): an empty one takes its slot and ends at once, as
+when the paper's replayer "randomly selects another session from the dataset" (§4.1) and the
+server rejects its over-long first request. `"non-empty"` shuffles only the kept sessions. "all"
+also keeps draws paired across context clips: a seed draws the same roots whatever the clip.
+
+Start-up (`stagger_s`): the first wave of `max_live_sessions` sessions is released one every
+`stagger_s` seconds (session k of the order at k x stagger_s) instead of all at t = 0. In steady
+state sessions are admitted one at a time as others end, so their cold first prefills do not
+queue behind each other; releasing 24 at once puts first-wave requests behind up to 23 cold
+prefills, a start-up artefact that filled half of the top 1% of TTFTs for every cached policy
+(`DEFAULT_STAGGER_S`). Later admissions are unchanged.
+
 Per request: it arrives and waits until the policy's engine admits it into GPU memory
 (admission.py: SGLang's reserve rule or vLLM's block allocation with preemption); admission matches
 and pins the cache (`cache.begin_request`), promises the request's memory and starts the restore of
@@ -25,12 +39,20 @@ from typing import Callable, Optional, Sequence
 
 from ..core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, HybridPrefixCache, Tier, make_policy
 from .admission import CacheGate, engine_profile
-from .costs import HardwareSpec, RooflineStepCost, attention_pair_tokens, get_hardware, get_model, vllm_hybrid_blocks
+from .costs import (HardwareSpec, RooflineStepCost, attention_pair_tokens, get_hardware, get_model,
+                    restore_cost_tokens, vllm_hybrid_blocks)
 from .engine import Engine, EngineConfig, EngineRequest, EventKind
 from .metrics import PolicyRun, RequestRecord
 from .request import Workload
 
 GiB = 2**30
+SESSION_SAMPLINGS = ("all", "non-empty")
+DEFAULT_STAGGER_S = 20.0
+"""First-wave spacing. Measured on the paper preset (docs/results.md, workload presets): released
+together, the first wave's cold first requests are 51% of the top 1% of TTFTs for every cached
+policy; at 10 s spacing still 14%; from 20 s on 9%, which is their share of all first requests (24
+of ~97 sessions), so the start-up no longer shows in the tail. 20 s is the smallest such spacing
+tried (0/10/20/30/60 s): the 24-session ramp takes 8 minutes of a ~3 h replay."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +67,8 @@ class ReplayConfig:
     ssd_cache_bytes: int = 150 * GiB
     max_live_sessions: int = 24
     max_sessions: Optional[int] = None  # root sessions admitted in total (None: all)
+    session_sampling: str = "all"       # draw from "all" roots (empty ones take a slot) or "non-empty"
+    stagger_s: float = DEFAULT_STAGGER_S  # first-wave session k is released at k x stagger_s
     seed: int = 0
     tau_s: float = DEFAULT_TAU_S
     intervals_pages: tuple = DEFAULT_INTERVALS_PAGES
@@ -52,6 +76,16 @@ class ReplayConfig:
     step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline
     hardware_spec: Optional[HardwareSpec] = None  # overrides the `hardware` preset (other link speeds)
     engine_name: Optional[str] = None  # serve every policy with this engine's scheduler (what-if); None: its own
+
+    def __post_init__(self) -> None:
+        if self.session_sampling not in SESSION_SAMPLINGS:
+            raise ValueError(f"session_sampling must be one of {SESSION_SAMPLINGS}, got {self.session_sampling!r}")
+        if not (math.isfinite(self.stagger_s) and self.stagger_s >= 0):
+            raise ValueError(f"stagger_s must be a finite number >= 0, got {self.stagger_s}")
+        if self.max_live_sessions < 1:
+            raise ValueError(f"max_live_sessions must be >= 1, got {self.max_live_sessions}")
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1 or None, got {self.max_sessions}")
 
     def resolved_hardware(self) -> HardwareSpec:
         return self.hardware_spec if self.hardware_spec is not None else get_hardware(self.hardware)
@@ -64,13 +98,16 @@ class ReplayConfig:
         if policy is not None and policy.block_granular:
             blocks = vllm_hybrid_blocks(model)
             state_bytes, block_pages = blocks.state_size_bytes, max(1, blocks.block_num_tokens // page_num_tokens)
+        hw = self.resolved_hardware()
+        step_cost = self.step_cost or RooflineStepCost(model, hw)
+        restore = {Tier(t): c for t, c in restore_cost_tokens(model, hw, step_cost).items()}
         return CacheConfig(
             page_num_tokens=page_num_tokens, kv_bytes_per_token=model.kv_bytes_per_token,
             checkpoint_size_bytes=state_bytes, block_pages=block_pages,
             attention_pair_tokens=attention_pair_tokens(model),
             capacity_bytes={Tier.GPU: self.gpu_cache_bytes, Tier.CPU: self.cpu_cache_bytes,
                             Tier.SSD: self.ssd_cache_bytes},
-            tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages)
+            tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages, restore_cost_tokens=restore)
 
 
 @dataclass(slots=True)
@@ -112,7 +149,8 @@ class _Replay:
 
     def run(self) -> PolicyRun:
         t0 = time.perf_counter()
-        self._admit(0.0)
+        for k in range(min(self.config.max_live_sessions, len(self.queue))):  # the staggered first wave
+            self._admit_next(k * self.config.stagger_s)
         engine = self.engine
         while self.arrivals or engine.has_work():
             t_next = self.arrivals[0][0] if self.arrivals else math.inf
@@ -136,10 +174,13 @@ class _Replay:
 
     def _admit(self, t: float) -> None:
         while self.num_live < self.config.max_live_sessions and self.queue:
-            root = self.queue.pop()
-            self.num_live += 1
-            self.pending_roots[root.session_id] = sum(1 for _ in root.iter_sessions())
-            self._release(root, root.session_id, t)
+            self._admit_next(t)
+
+    def _admit_next(self, t: float) -> None:
+        root = self.queue.pop()
+        self.num_live += 1
+        self.pending_roots[root.session_id] = sum(1 for _ in root.iter_sessions())
+        self._release(root, root.session_id, t)
 
     def _release(self, session, root_id: str, t: float) -> None:
         run = _SessionRun(session, root_id)
@@ -178,7 +219,7 @@ class _Replay:
     def _on_arrival(self, run: _SessionRun, req, t: float) -> None:
         self.gate.register(req)
         self.in_flight[req.uid] = (RequestRecord(req.uid, req.session_id, int(req.flags), t, req.input_num_tokens,
-                                                 0, 0), run)
+                                                 0, 0, session_index=req.index), run)
         L = req.input_num_tokens
         self.engine.submit(EngineRequest(req.uid, L, L, req.output_num_tokens), t)
 
@@ -235,8 +276,25 @@ def replay_policies(workload: Workload, policies: Sequence[str], config: ReplayC
 
 
 def admission_order(workload: Workload, config: ReplayConfig) -> list:
-    """The root sessions a replay admits, in order: a seeded shuffle, the same for every policy."""
-    roots = list(workload.sessions)
+    """The root sessions a replay admits, in order: a seeded shuffle cut at `max_sessions`, the same
+    for every policy (module docstring: sampling). Roots left empty by the clip are drawn but not
+    returned: they would end the moment they are admitted."""
+    return [root for root in sampled_roots(workload, config) if root is not None]
+
+
+def sampled_roots(workload: Workload, config: ReplayConfig) -> list:
+    """The drawn roots in admission order, None for a root the max-context rule emptied."""
+    if config.session_sampling == "all" and workload.root_ids:
+        kept = iter(workload.sessions)  # `sessions` follow `root_ids` order, minus the empty roots
+        roots, pending = [], next(kept, None)
+        for root_id in workload.root_ids:
+            if pending is not None and pending.session_id == root_id:
+                roots.append(pending)
+                pending = next(kept, None)
+            else:
+                roots.append(None)
+    else:
+        roots = list(workload.sessions)
     random.Random(config.seed).shuffle(roots)
     return roots if config.max_sessions is None else roots[: config.max_sessions]
 

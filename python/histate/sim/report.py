@@ -1,17 +1,22 @@
 """Reports of a replay: the comparison table, per-request CSV, JSON summary and plots.
 
 The only module of the simulator that writes files; everything it prints is computed in metrics.py.
-Plots use matplotlib's Agg backend (headless) and are skipped with a note when it is missing.
+summary.json is strict JSON: an undefined number (NaN: a percentile of no requests, a ratio to a
+policy that was not replayed) is written as null, its key kept. Plots use matplotlib's Agg backend
+(headless) and are skipped with a note when it is missing.
 """
 from __future__ import annotations
 
 import csv
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
 from .metrics import PolicyRun, recovered_fraction, reuse_sensitive_uids, speedups, summarize
+
+REPORT_FILES = ("summary.json", "requests.csv", "ttft_cdf.png", "per_request.png")
 
 
 def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi") -> dict:
@@ -31,28 +36,67 @@ def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi")
 
 
 def format_table(summary: dict, baseline: str = "vllm-marconi") -> str:
+    """p95 and p99 over all requests next to the same over non-first requests of a session ("nf")."""
     rows = summary["policies"]
     speed = summary.get("speedup_vs_" + baseline, {})
-    head = (f"{'policy':<18} {'hit rate':>8} {'TTFT p50':>9} {'p95':>8} {'p99':>8} {'mean':>8} "
-            f"{'p95 x':>6} {'p99 x':>6} {'cohort rec.':>11}")
+    head = (f"{'policy':<18} {'hit rate':>8} {'TTFT p50':>9} {'p95':>7} {'p95 nf':>7} {'p99':>7} {'p99 nf':>7} "
+            f"{'mean':>7} {'p95 x':>6} {'p99 x':>6} {'nf p99 x':>8} {'cohort rec.':>11}")
     lines = [head, "-" * len(head)]
     for name, s in rows.items():
         sp = speed.get(name, {})
         lines.append(
-            f"{name:<18} {s['token_hit_rate']:>8.2%} {s['ttft_p50_s']:>8.3f}s {s['ttft_p95_s']:>7.2f}s "
-            f"{s['ttft_p99_s']:>7.2f}s {s['ttft_mean_s']:>7.3f}s {_x(sp.get('ttft_p95_s'))} {_x(sp.get('ttft_p99_s'))} "
-            f"{_pct(s['cohort_recovered_fraction']):>11}")
-    lines.append(f"speedups (x) are {baseline} TTFT / policy TTFT; cohort rec. = share of unlimited's reusable "
-                 f"tokens recovered on the {summary['reuse_sensitive_requests']} reuse-sensitive requests")
+            f"{name:<18} {_pct(s['token_hit_rate'], 8, 2)} {_s(s['ttft_p50_s'], 8, 3)} {_s(s['ttft_p95_s'], 6, 2)} "
+            f"{_s(s['ttft_p95_non_first_s'], 6, 2)} {_s(s['ttft_p99_s'], 6, 2)} {_s(s['ttft_p99_non_first_s'], 6, 2)} "
+            f"{_s(s['ttft_mean_s'], 6, 3)} {_x(sp.get('ttft_p95_s'), 6)} {_x(sp.get('ttft_p99_s'), 6)} "
+            f"{_x(sp.get('ttft_p99_non_first_s'), 8)} {_pct(s['cohort_recovered_fraction'], 11, 1)}")
+    lines.append(f"nf = over requests that are not the first of their session; speedups (x) are {baseline} TTFT / "
+                 f"policy TTFT; cohort rec. = share of unlimited's reusable tokens recovered on the "
+                 f"{summary['reuse_sensitive_requests']} reuse-sensitive requests")
     return "\n".join(lines)
 
 
-def _x(v) -> str:
-    return f"{v:>6.2f}" if v is not None and not math.isnan(v) else f"{'-':>6}"
+def _defined(v) -> bool:
+    return v is not None and math.isfinite(v)
 
 
-def _pct(v) -> str:
-    return f"{v:.1%}" if v is not None and not math.isnan(v) else "-"
+def _s(v, width: int, digits: int) -> str:
+    return f"{v:>{width}.{digits}f}s" if _defined(v) else f"{'-':>{width + 1}}"
+
+
+def _x(v, width: int) -> str:
+    return f"{v:>{width}.2f}" if _defined(v) else f"{'-':>{width}}"
+
+
+def _pct(v, width: int, digits: int) -> str:
+    return f"{v:>{width}.{digits}%}" if _defined(v) else f"{'-':>{width}}"
+
+
+def strict_json(value):
+    """`value` with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def check_writable(out_dir: Path) -> None:
+    """Raise OSError naming `out_dir` unless the reports can be written there; run it before a replay
+    so that an unusable --out fails in seconds, not after the whole replay. Creates the directory."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OSError(f"--out {out_dir}: exists and is not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as err:
+        raise OSError(f"--out {out_dir}: cannot write reports there: {err.strerror or err}") from None
+    for name in REPORT_FILES:
+        path = out_dir / name
+        if path.exists() and not path.is_file():
+            raise OSError(f"--out {out_dir}: {name} exists and is not a regular file")
 
 
 def write_outputs(runs: Mapping[str, PolicyRun], summary: dict, out_dir: Path, plots: bool = True) -> list:
@@ -60,17 +104,18 @@ def write_outputs(runs: Mapping[str, PolicyRun], summary: dict, out_dir: Path, p
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     path = out_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    path.write_text(json.dumps(strict_json(summary), indent=1, default=str, allow_nan=False) + "\n")
     written.append(path)
     path = out_dir / "requests.csv"
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["policy", "uid", "session_id", "flags", "arrival_s", "input_tokens", "kv_hit_tokens",
-                    "reused_tokens", "restore_s", "ttft_s"])
+        w.writerow(["policy", "uid", "session_id", "session_index", "flags", "arrival_s", "input_tokens",
+                    "kv_hit_tokens", "reused_tokens", "restore_s", "ttft_s"])
         for name, run in runs.items():
             for r in run.records:
-                w.writerow([name, r.uid, r.session_id, r.flags, f"{r.arrival_s:.6f}", r.input_tokens,
-                            r.kv_hit_tokens, r.reused_tokens, f"{r.restore_s:.6f}", f"{r.ttft_s:.6f}"])
+                w.writerow([name, r.uid, r.session_id, r.session_index, r.flags, f"{r.arrival_s:.6f}",
+                            r.input_tokens, r.kv_hit_tokens, r.reused_tokens, f"{r.restore_s:.6f}",
+                            f"{r.ttft_s:.6f}"])
     written.append(path)
     if plots:
         written += _plots(runs, out_dir)

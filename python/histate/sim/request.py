@@ -147,6 +147,9 @@ class Workload:
     page_num_tokens: int = PAGE_NUM_TOKENS
     open_loop: bool = False           # True: arrivals are fixed times (start_offset_s + offset_s)
     params: dict = field(default_factory=dict)  # how it was made (paths, options, seeds)
+    root_ids: tuple = ()              # every root session id of the source, in source order, including
+                                      # roots the max-context rule emptied (absent from `sessions`):
+                                      # what sampling "from all roots" draws from; () = `sessions` is all
 
     def iter_sessions(self) -> Iterator[Session]:
         for root in self.sessions:

@@ -54,6 +54,8 @@ class Policy:
     scan_victims = False  # choose victims by scanning the pool (`choose_victim`), not by heap order
     engine = "sglang"  # whose scheduler serves it in the simulator: "sglang" or "vllm" (sim/admission.py)
     learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
+    charges_demotions = False  # eq. 7's C of a demoted unit is its transfer, not its recompute (units.py)
+    estimates_residence_by_flow = True  # Little's-law T_KV / T_state before residences are observed
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)

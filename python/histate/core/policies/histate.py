@@ -3,7 +3,8 @@
 histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymmetric tiering, with eq. 3's
                    p_t learned online near each trajectory's end (departure from the paper's uniform p_t:
                    docs/policies.md "Reuse-position prior")
-histate-uniform    the paper's uniform interior prior in eq. 3 and eq. 7 (ablation of the learned prior)
+histate-paper      the paper's rules exactly: uniform interior prior, C = recompute for every eviction, the
+                   neutral T_KV/T_state ratio until residences are observed (ablation of the departures)
 histate-align      admission replaced by vLLM's align rule (terminal state only)
 histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
@@ -18,7 +19,7 @@ from . import register_policy
 from .base import AdmissionContext, Policy, branch_point, fixed_grid, last_decode_state, terminal_only
 from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
-from ..units import expected_recompute_tokens, last_access_s, reclaim_tokens
+from ..units import expected_cost_tokens, last_access_s, reclaim_tokens
 
 
 @register_policy
@@ -29,6 +30,7 @@ class HiState(Policy):
     refresh_all = True
     kv_ends_at_last_state = True
     learns_reuse_positions = True
+    charges_demotions = True
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return sorted(set(self.prompt_states(ctx)) | set(last_decode_state(ctx, ctx.config.decode_track_pages)))
@@ -38,15 +40,17 @@ class HiState(Policy):
         return ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs) + branch_point(ctx)
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
-        cost = expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        cost = expected_cost_tokens(node, unit, bit, ctx)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
         return last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
 
 
 @register_policy
-class HiStateUniform(HiState):
-    name = "histate-uniform"
+class HiStatePaper(HiState):
+    name = "histate-paper"
     learns_reuse_positions = False
+    charges_demotions = False
+    estimates_residence_by_flow = False
 
 
 @register_policy

@@ -5,13 +5,13 @@ keys (`histate.sim.request`), applies the shared max-context clipping rule (`Loa
 counts whatever it drops in `Workload.stats`. Malformed input raises `TraceFormatError` naming the
 file, line and field.
 """
-from ._source import DEFAULT_MAX_CONTEXT_NUM_TOKENS, LoadOptions, TraceFormatError
+from ._source import DEFAULT_MAX_CONTEXT_NUM_TOKENS, MAX_INPUT_NUM_TOKENS, LoadOptions, TraceFormatError
 from .mooncake import load_mooncake
 from .tracelab import load_tracelab
 from .weka import iter_weka_sessions, load_weka
 
 __all__ = [
-    "DEFAULT_MAX_CONTEXT_NUM_TOKENS", "LoadOptions", "TraceFormatError", "iter_weka_sessions",
+    "DEFAULT_MAX_CONTEXT_NUM_TOKENS", "MAX_INPUT_NUM_TOKENS", "LoadOptions", "TraceFormatError", "iter_weka_sessions",
     "load_mooncake", "load_trace", "load_tracelab", "load_weka",
 ]
 

@@ -8,7 +8,9 @@ its message in `WorkloadStats.errors`.
 from __future__ import annotations
 
 import gzip
+import math
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -19,6 +21,10 @@ from ..request import PAGE_NUM_TOKENS, WorkloadStats
 DEFAULT_MAX_CONTEXT_NUM_TOKENS = 131072
 OVERFLOW_RULES = ("truncate_session", "drop_request")
 MAX_KEPT_ERRORS = 20
+MAX_INPUT_NUM_TOKENS = 1 << 24
+"""Largest prompt a trace record may name (16.8M tokens, above every served model's context):
+page keys are built per 64-token page, so an unbounded `in` (or `--max-context`) would allocate
+without bound; a record above it is malformed."""
 
 
 class TraceFormatError(ValueError):
@@ -54,14 +60,15 @@ class LoadOptions:
     def __post_init__(self) -> None:
         if self.page_num_tokens <= 0:
             raise ValueError(f"page_num_tokens must be positive, got {self.page_num_tokens}")
-        if self.max_context_num_tokens is not None and self.max_context_num_tokens <= 0:
-            raise ValueError(f"max_context_num_tokens must be positive or None, got {self.max_context_num_tokens}")
+        if self.max_context_num_tokens is not None and not 0 < self.max_context_num_tokens <= MAX_INPUT_NUM_TOKENS:
+            raise ValueError(f"max_context_num_tokens must be in [1, {MAX_INPUT_NUM_TOKENS}] or None, "
+                             f"got {self.max_context_num_tokens}")
         if self.overflow not in OVERFLOW_RULES:
             raise ValueError(f"overflow must be one of {OVERFLOW_RULES}, got {self.overflow!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {self.on_error!r}")
-        if self.max_gap_s is not None and self.max_gap_s < 0:
-            raise ValueError(f"max_gap_s must be >= 0 or None, got {self.max_gap_s}")
+        if self.max_gap_s is not None and not (math.isfinite(self.max_gap_s) and self.max_gap_s >= 0):
+            raise ValueError(f"max_gap_s must be a finite number >= 0 or None, got {self.max_gap_s}")
 
     def fits(self, input_num_tokens: int) -> bool:
         return self.max_context_num_tokens is None or input_num_tokens <= self.max_context_num_tokens
@@ -95,33 +102,40 @@ def trace_files(path: str, suffixes: tuple) -> list:
     return [path]
 
 
-def _open_binary(path: str):
-    with open(path, "rb") as probe:
-        magic = probe.read(2)
-    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 def iter_json_records(path: str) -> Iterator[tuple]:
     """Yield (line_number, value) for every JSON value in a file.
 
     JSON Lines (one value per line, blank lines ignored) or a single JSON document (a `.json` file,
-    possibly pretty-printed; its records carry line number None). gzip is detected by magic bytes.
+    possibly pretty-printed; its records carry line number None). gzip is detected by its magic
+    bytes, sniffed with `peek` on the one open file, so pipes and process substitutions
+    (`/dev/stdin`, `<(zcat ...)`) lose nothing. A truncated or corrupt gzip stream raises
+    `TraceFormatError` at the line where it breaks.
     """
-    with _open_binary(path) as f:
-        if path.endswith(".json") or path.endswith(".json.gz"):
-            data = f.read()
-            try:
-                yield None, orjson.loads(data)
-            except orjson.JSONDecodeError as e:
-                raise TraceFormatError(path, getattr(e, "lineno", None), "<json>", f"invalid JSON: {e}") from None
-            return
-        for line_number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                yield line_number, orjson.loads(raw)
-            except orjson.JSONDecodeError as e:
-                raise TraceFormatError(path, line_number, "<json>", f"invalid JSON: {e}") from None
+    line_number = 0
+    with open(path, "rb") as raw:
+        f = gzip.GzipFile(fileobj=raw, mode="rb") if raw.peek(2)[:2] == GZIP_MAGIC else raw
+        try:
+            if path.endswith(".json") or path.endswith(".json.gz"):
+                data = f.read()
+                try:
+                    value = orjson.loads(data)
+                except orjson.JSONDecodeError as e:
+                    raise TraceFormatError(path, getattr(e, "lineno", None), "<json>", f"invalid JSON: {e}") from None
+                yield None, value
+                return
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    value = orjson.loads(line)
+                except orjson.JSONDecodeError as e:
+                    raise TraceFormatError(path, line_number, "<json>", f"invalid JSON: {e}") from None
+                yield line_number, value
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # the stream ends or breaks mid-file
+            raise TraceFormatError(path, line_number + 1, "<gzip>", f"truncated or corrupt gzip stream ({e})") from None
 
 
 _KIND_CHECKS = {
@@ -150,8 +164,8 @@ class FieldReader:
         return value
 
     def get(self, record: dict, key: str, prefix: str, kind, *, required: bool = True, default=None,
-            minimum=None):
-        """record[key] checked against `kind` ("int", "num", "str", "list", "obj")."""
+            minimum=None, maximum=None):
+        """record[key] checked against `kind` ("int", "num", "str", "list", "obj") and the bounds."""
         field = f"{prefix}{key}"
         if key not in record or record[key] is None:
             if required:
@@ -162,7 +176,13 @@ class FieldReader:
             raise self.fail(field, f"expected {kind}, got {type(value).__name__} {value!r:.40}")
         if minimum is not None and value < minimum:
             raise self.fail(field, f"must be >= {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise self.fail(field, f"must be <= {maximum}, got {value!r}")
         return value
+
+    def num_tokens(self, record: dict, key: str, prefix: str) -> int:
+        """A prompt length: an int in [0, MAX_INPUT_NUM_TOKENS]."""
+        return self.get(record, key, prefix, "int", minimum=0, maximum=MAX_INPUT_NUM_TOKENS)
 
 
 def progress_bar(iterable, options: LoadOptions, desc: str):

@@ -37,7 +37,7 @@ def load_mooncake(path, options: LoadOptions = LoadOptions(), *,
             try:
                 record = reader.obj(record, "<request>")
                 timestamp_ms = reader.get(record, "timestamp", "", "num", minimum=0)
-                num_in = reader.get(record, "input_length", "", "int", minimum=0)
+                num_in = reader.num_tokens(record, "input_length", "")
                 num_out = reader.get(record, "output_length", "", "int", minimum=0)
                 hash_ids = reader.get(record, "hash_ids", "", "list")
                 expected = -(-num_in // block_num_tokens)

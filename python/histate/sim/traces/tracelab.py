@@ -87,7 +87,7 @@ def load_tracelab(path, options: LoadOptions = LoadOptions(), *, provider: Optio
     params = {"path": str(path), "format": "tracelab", "provider": provider, "prefix_source": prefix_source,
               "compaction_drop_num_tokens": compaction_drop_num_tokens, **options.__dict__}
     return Workload(name=f"tracelab:{path}", sessions=sessions, stats=stats,
-                    page_num_tokens=options.page_num_tokens, params=params)
+                    page_num_tokens=options.page_num_tokens, params=params, root_ids=tuple(rounds_by_session))
 
 
 def _parse_round(reader: FieldReader, record, provider: Optional[str]):
@@ -95,7 +95,7 @@ def _parse_round(reader: FieldReader, record, provider: Optional[str]):
     if provider is not None and record.get("provider") != provider:
         return None
     session_id = reader.get(record, "session_id", "", "str")
-    total = reader.get(record, "input_tokens_total", "", "int", minimum=0)
+    total = reader.num_tokens(record, "input_tokens_total", "")
     prefix = reader.get(record, "prefix_tokens", "", "int", minimum=0)
     append = reader.get(record, "newly_append_tokens", "", "int", minimum=0)
     if prefix + append != total:

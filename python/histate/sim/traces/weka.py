@@ -68,12 +68,16 @@ def load_weka(path, options: LoadOptions = LoadOptions(), session_ids: Optional[
     """Load Weka conversations into a `Workload` (see module docstring for the mapping)."""
     stats = WorkloadStats()
     session_ids = list(session_ids) if session_ids is not None else None
-    sessions = list(iter_weka_sessions(path, options, stats, session_ids=session_ids))
+    sessions, root_ids = [], []
+    for root_id, session in _iter_roots(path, options, stats, session_ids):
+        root_ids.append(root_id)
+        if session is not None:
+            sessions.append(session)
     params = {"path": str(path), "format": "weka", **options.__dict__}
     if session_ids is not None:
         params["session_ids"] = sorted(set(session_ids))
     return Workload(name=f"weka:{path}", sessions=sessions, stats=stats,
-                    page_num_tokens=options.page_num_tokens, params=params)
+                    page_num_tokens=options.page_num_tokens, params=params, root_ids=tuple(root_ids))
 
 
 def iter_weka_sessions(path, options: LoadOptions = LoadOptions(), stats: Optional[WorkloadStats] = None,
@@ -82,6 +86,15 @@ def iter_weka_sessions(path, options: LoadOptions = LoadOptions(), stats: Option
 
     Request uids are dense from 0 over the yielded sessions; `stats` (if given) is updated as
     sessions are yielded, a skipped malformed conversation contributes only its skip count."""
+    for _, session in _iter_roots(path, options, stats, session_ids):
+        if session is not None:
+            yield session
+
+
+def _iter_roots(path, options: LoadOptions, stats: Optional[WorkloadStats],
+                session_ids: Optional[Iterable[str]]) -> Iterator[tuple]:
+    """(root id, root Session or None when the max-context rule left it empty) per well-formed
+    conversation, in file order."""
     stats = stats if stats is not None else WorkloadStats()
     keys = PageKeyAllocator()
     next_uid = 0
@@ -103,10 +116,11 @@ def iter_weka_sessions(path, options: LoadOptions = LoadOptions(), stats: Option
         stats.merge(local)
         if session is None:
             stats.sessions_dropped_empty += 1
+            yield session_id, None
             continue
         next_uid += sum(len(s.requests) for s in session.iter_sessions())
         stats.sessions += 1
-        yield session
+        yield session_id, session
 
 
 class _SessionBuilder:
@@ -143,7 +157,7 @@ class _SessionBuilder:
                     duration_ms = 1000.0 * (last.end_s if last else 0.0)
                 entries.append(_RawSubagent(t_s, t_s - duration_ms / 1000.0, agent_id, children))
                 continue
-            num_in = reader.get(item, "in", where, "int", minimum=0)
+            num_in = reader.num_tokens(item, "in", where)
             num_out = reader.get(item, "out", where, "int", minimum=0)
             hash_ids = reader.get(item, "hash_ids", where, "list")
             if len(hash_ids) != num_in // block:

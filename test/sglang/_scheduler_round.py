@@ -1,0 +1,41 @@
+"""One prefill admission round as SGLang's scheduler runs it, over the real `PrefillAdder`.
+
+`prefill_round` keeps the steps of `Scheduler._get_new_batch_prefill_raw` (scheduler.py
+4155-4327) that decide which requests run and which one is chunked, in their order: the
+continuing chunked request first (4176-4184), then the waiting queue, stopping on
+`budget_state() == OTHER` (4207) or a non-CONTINUE `add_one_req` (4270-4306, which also gives
+back a state slot the match copied for a request that was not admitted), then taking
+`adder.new_chunked_req` with the scheduler's `assert self.chunked_req is None` (4324-4327).
+Left out: LoRA, priority preemption, HiCache prefetch gates, DLLM, the delayer (all off here).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+def prefill_round(cache: Any, allocator: Any, page_size: int, chunked_req: Optional[Any], waiting: list, *,
+                  rem_chunk_tokens: Optional[int], rem_input_tokens: int = 16 * 1024) -> tuple[Any, Optional[Any]]:
+    """Returns the adder (its `can_run_list` is the batch) and the scheduler's `chunked_req`."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    adder = PrefillAdder(page_size, cache, allocator, None, new_token_ratio=0.7,
+                         rem_input_tokens=rem_input_tokens, rem_chunk_tokens=rem_chunk_tokens)
+    if chunked_req is not None:
+        chunked_req.init_next_round_input()
+        chunked_req = adder.add_chunked_req(chunked_req)
+    for req in waiting:
+        if adder.budget_state() == AddReqResult.OTHER:
+            break
+        req.init_next_round_input(cache)
+        result = adder.add_one_req(req, has_chunked_req=chunked_req is not None, truncation_align_size=None)
+        if result != AddReqResult.CONTINUE:
+            admitted = bool(adder.can_run_list) and req is adder.can_run_list[-1]
+            if not admitted and req.kv.holds_mamba:
+                req.kv.mamba_cow_src_index = None
+                cache.req_to_token_pool.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(-1))
+                req.kv.mamba_pool_idx = None
+            break
+    if adder.new_chunked_req is not None:
+        assert chunked_req is None, "scheduler.py:4326: a new chunked request next to a continuing one"
+        chunked_req = adder.new_chunked_req
+    return adder, chunked_req

@@ -1,0 +1,165 @@
+"""`histate replay` driven as a user would: presets and where their values show, the report files,
+and bad input (one line naming the flag or file:line:field, exit status 2, nothing replayed)."""
+import gzip
+import json
+
+import pytest
+
+from histate.cli import main as cli_main
+from histate.sim.presets import PRESETS
+
+from .helpers import ids, weka_request, weka_session, write_jsonl
+
+FAST = ["--no-progress", "--no-plots"]
+
+
+def run(argv, capsys):
+    try:
+        rc = cli_main(["replay", *argv])
+    except SystemExit as stop:
+        rc = stop.code
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def assert_refused(argv, capsys, *words):
+    rc, out, err = run([*argv, *FAST], capsys)
+    assert (rc, out) == (2, ""), err            # refused before anything is loaded or replayed
+    assert err.startswith("histate replay: error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err
+
+
+def strict_json(text):
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def small_trace(tmp_path, name="t.jsonl", gz=False):
+    """Two sessions: s1 grows 1,000 -> 70,000 tokens (over tiny-qwen3.5's 65,536 context), s2 has
+    three short turns."""
+    s1 = weka_session("s1", [weka_request(0, 1000, ids(1, 15), think=0, api=1),
+                             weka_request(5, 70000, ids(1, 1093), think=3, api=1)])
+    s2 = weka_session("s2", [weka_request(0, 640, ids(1, 10), think=0, api=1),
+                             weka_request(4, 1280, ids(1, 20), think=2, api=1),
+                             weka_request(9, 1920, ids(1, 30), think=2, api=1)])
+    return write_jsonl(tmp_path / name, [s1, s2], gz=gz)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--max-sessions", "-1"], "--max-sessions"),
+    (["--max-sessions", "0"], "--max-sessions"),
+    (["--max-live-sessions", "0"], "--max-live-sessions"),
+    (["--h2d-gbps", "0"], "--h2d-gbps"),
+    (["--h2d-gbps", "-64"], "--h2d-gbps"),
+    (["--h2d-gbps", "nan"], "--h2d-gbps"),
+    (["--ssd-gbps", "inf"], "--ssd-gbps"),
+    (["--gpu-gib", "0"], "--gpu-gib"),
+    (["--gpu-gib", "nan"], "--gpu-gib"),
+    (["--gpu-gib", "inf"], "--gpu-gib"),
+    (["--cpu-gib", "inf"], "--cpu-gib"),
+    (["--ssd-gib", "-1"], "--ssd-gib"),
+    (["--tau", "nan"], "--tau"),
+    (["--tau", "inf"], "--tau"),
+    (["--stagger", "-5"], "--stagger"),
+    (["--synthetic", "mutation", "--mutation-rate", "nan"], "--mutation-rate"),
+    (["--synthetic", "mutation", "--mutation-rate", "1.5"], "--mutation-rate"),
+    (["--mutation-rate", "0.1"], "--mutation-rate"),            # ignored without --synthetic mutation
+    (["--max-context", "1e15"], "--max-context"),
+    (["--max-context", "1000000000000000"], "--max-context"),
+    (["--max-gap", "60"], "--max-gap"),                          # ignored without --trace
+    (["--preset", "paper"], "--preset paper"),                    # ignored without --trace
+])
+def test_bad_flags_are_refused_in_one_line_naming_the_flag(argv, flag, capsys):
+    assert_refused(argv, capsys, flag)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--max-gap", "nan"], "--max-gap"),
+    (["--max-gap", "-1"], "--max-gap"),
+    (["--max-context", "0"], "--max-context"),
+])
+def test_bad_trace_flags_are_refused(argv, flag, tmp_path, capsys):
+    assert_refused(["--trace", str(small_trace(tmp_path)), *argv], capsys, flag)
+
+
+def test_synthetic_and_trace_together_are_refused(tmp_path, capsys):
+    assert_refused(["--synthetic", "mutation", "--trace", str(small_trace(tmp_path))], capsys, "--trace", "--synthetic")
+
+
+def test_an_unusable_out_is_refused_before_the_replay(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for out in (blocker, blocker / "sub"):
+        assert_refused(["--synthetic", "mutation", "--max-sessions", "2", "--out", str(out)], capsys, f"--out {out}")
+    (tmp_path / "out" / "summary.json").mkdir(parents=True)
+    assert_refused(["--synthetic", "mutation", "--max-sessions", "2", "--out", str(tmp_path / "out")], capsys,
+                   "summary.json")
+
+
+def test_a_truncated_gzip_trace_names_the_file_and_line(tmp_path, capsys):
+    path = small_trace(tmp_path, "t.jsonl.gz", gz=True)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert_refused(["--trace", str(path)], capsys, f"{path}:1: <gzip>: truncated or corrupt gzip")
+
+
+def test_a_trace_whose_sessions_the_clip_empties_is_refused(tmp_path, capsys):
+    assert_refused(["--trace", str(small_trace(tmp_path)), "--max-context", "100"], capsys,
+                   "no requests to replay")
+
+
+def test_summary_json_is_strict_json_with_null_for_undefined_numbers(tmp_path, capsys):
+    rc, out, err = run(["--synthetic", "mutation", "--max-sessions", "2", "--policies", "histate,vllm-disk",
+                        "--out", str(tmp_path), *FAST], capsys)
+    assert rc == 0, err
+    summary = strict_json((tmp_path / "summary.json").read_text())
+    # no `unlimited` replayed: no reuse-sensitive cohort, so the recovered share is undefined
+    assert summary["policies"]["histate"]["cohort_recovered_fraction"] is None
+    assert summary["reuse_sensitive_requests"] == 0
+
+
+def test_default_max_context_is_the_models_native_context(tmp_path, capsys):
+    trace = str(small_trace(tmp_path))
+    for model, native, requests in (("qwen3.5-9b", 262144, 5), ("tiny-qwen3.5", 65536, 4)):
+        rc, out, err = run(["--trace", trace, "--model", model, "--policies", "unlimited",
+                            "--out", str(tmp_path / model), *FAST], capsys)
+        assert rc == 0, err
+        settings = strict_json((tmp_path / model / "summary.json").read_text())["settings"]
+        assert (settings["max_context_num_tokens"], settings["admitted_requests"]) == (native, requests)
+
+
+def test_preset_values_show_in_help_and_summary_and_flags_override_them(tmp_path, capsys):
+    rc, out, _ = run(["--help"], capsys)
+    assert rc == 0
+    help_text = " ".join(out.split())
+    for preset in PRESETS.values():
+        assert preset.describe() in help_text
+    trace = str(small_trace(tmp_path))
+    rc, _, err = run(["--trace", trace, "--preset", "paper", "--policies", "unlimited", "--out", str(tmp_path / "p"),
+                      *FAST], capsys)
+    assert rc == 0, err
+    settings = strict_json((tmp_path / "p" / "summary.json").read_text())["settings"]
+    assert {k: settings[k] for k in ("preset", "max_context_num_tokens", "max_gap_s", "max_sessions",
+                                     "session_sampling", "stagger_s")} == \
+        {"preset": "paper", "max_context_num_tokens": 110000, "max_gap_s": 120.0, "max_sessions": 125,
+         "session_sampling": "all", "stagger_s": 20.0}
+    rc, _, err = run(["--trace", trace, "--preset", "paper", "--max-gap", "none", "--max-sessions", "all",
+                      "--stagger", "0", "--policies", "unlimited", "--out", str(tmp_path / "q"), *FAST], capsys)
+    assert rc == 0, err
+    settings = strict_json((tmp_path / "q" / "summary.json").read_text())["settings"]
+    assert (settings["max_gap_s"], settings["max_sessions"], settings["stagger_s"]) == (None, None, 0.0)
+
+
+def test_table_and_csv_carry_non_first_percentiles(tmp_path, capsys):
+    rc, out, err = run(["--trace", str(small_trace(tmp_path)), "--policies", "histate,unlimited",
+                        "--out", str(tmp_path), *FAST], capsys)
+    assert rc == 0, err
+    assert "p95 nf" in out and "p99 nf" in out and "nf p99 x" in out
+    summary = strict_json((tmp_path / "summary.json").read_text())
+    assert summary["policies"]["histate"]["non_first_requests"] == 3
+    rows = (tmp_path / "requests.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    index = header.index("session_index")
+    assert sorted(int(r.split(",")[index]) for r in rows[1:] if r.startswith("histate,")) == [0, 0, 1, 1, 2]
