@@ -168,7 +168,7 @@ class _Replay:
             self._on_arrival(run, req, t)
         return PolicyRun(self.policy, self.records, self.cache.stats,
                          {"ssd": self.engine.ssd.stats, "h2d": self.engine.h2d.stats, "engine": self.engine.stats,
-                          "admission": self.gate.stats}, time.perf_counter() - t0)
+                          "admission": self.gate.stats, "scheduler": self.profile.name}, time.perf_counter() - t0)
 
     # --- sessions ------------------------------------------------------------------------------
 
