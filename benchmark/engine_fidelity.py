@@ -23,8 +23,9 @@ COLUMNS = (("token_hit_rate", "hit rate", "{:.1%}"), ("ttft_p50_s", "p50 s", "{:
            ("ttft_p99_non_first_s", "p99 non-first s", "{:.2f}"), ("ttft_mean_s", "mean s", "{:.3f}"))
 
 
-def load(directory: Path) -> list:
-    paths = sorted(directory.glob("seed*/summary.json"))
+def load(directory: Path, seeds=None) -> list:
+    paths = sorted(directory.glob("seed*/summary.json")) if seeds is None else \
+        [directory / f"seed{seed}" / "summary.json" for seed in seeds]
     if not paths:
         raise SystemExit(f"{directory}: no seed*/summary.json (run `histate replay --out {directory}/seedS` first)")
     return [json.loads(p.read_text()) for p in paths]
@@ -43,7 +44,8 @@ def cell(summaries: list, policy: str, key: str, fmt: str, ranges: bool) -> str:
 
 def table(summaries: list, title: str, counters: bool) -> str:
     policies = list(summaries[0]["policies"])
-    head = ["policy"] + [label for _, label, _ in COLUMNS] + ["p95 / histate", "p99 / histate"]
+    ratios = all("histate" in s["policies"] for s in summaries)
+    head = ["policy"] + [label for _, label, _ in COLUMNS] + (["p95 / histate", "p99 / histate"] if ratios else [])
     if counters:
         head += ["admissions deferred", "preemptions"]
     lines = [f"{title} ({len(summaries)} seeds: median [min, max])", "",
@@ -51,9 +53,9 @@ def table(summaries: list, title: str, counters: bool) -> str:
     for name in policies:
         row = [f"`{name}`"] + [cell(summaries, name, key, fmt, key in ("ttft_p95_s", "ttft_p99_s"))
                                for key, _, fmt in COLUMNS]
-        for key in ("ttft_p95_s", "ttft_p99_s"):
-            ratios = sorted(s["policies"][name][key] / s["policies"]["histate"][key] for s in summaries)
-            row.append(f"{statistics.median(ratios):.2f}×")
+        for key in ("ttft_p95_s", "ttft_p99_s") if ratios else ():
+            values = sorted(s["policies"][name][key] / s["policies"]["histate"][key] for s in summaries)
+            row.append(f"{statistics.median(values):.2f}×")
         if counters:
             row += [f"{over_seeds(summaries, name, k)[0]:,.0f}" for k in ("admissions_deferred", "preemptions")]
         lines.append("| " + " | ".join(row) + " |")
