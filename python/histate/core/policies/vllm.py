@@ -1,4 +1,5 @@
-"""vLLM baselines (paper §4.1), vLLM v1 in `mamba_cache_mode="align"` (vllm-project/vllm@00024d3).
+"""vLLM baselines (paper §4.1), vLLM v1 in `mamba_cache_mode="align"` (vllm-project/vllm:
+v1/core/sched/scheduler.py@00024d3, v1/core/single_type_kv_cache_manager.py@129ab7c).
 
 Granularity: the hybrid allocator pads the attention block until one page holds a layer's recurrent
 state (`HybridAttentionMambaModelConfig.verify_and_update_config`: 576 tokens for Qwen3.5-9B) and
