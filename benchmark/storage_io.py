@@ -5,11 +5,12 @@ so that drift on a shared disk hits all of them alike; cells are medians.
 
   raw         plain sequential O_DIRECT: one pwrite into a new file / one preadv of all the bytes,
               page-aligned buffer; KV batches: all pages in one sequential file
-  raw-layout  the store's file-system work without the store: one file per object (per page) holding
-              a header block + payload, written to a temp name then renamed, read back with one preadv;
-              O_DIRECT, no checksum, no queue, one thread
-  file, nixl  CheckpointStore.put / .get(out=...) end to end (sync calls; KV pages as one batch):
-              checksums, header block, temp file + preallocation, rename, index, O_DIRECT
+  raw-layout  the store's file-system work without the store: one file per object (per KV batch: the
+              pack) holding a header block + payload, written to a temp name then renamed, read back
+              with one preadv; O_DIRECT, no checksum, no queue, one thread
+  file, nixl  CheckpointStore.put / .get(out=...) end to end (sync calls; KV pages as one packed batch,
+              put_many(pack=True), read back with one get_many): checksums, header, temp file +
+              preallocation, rename, index, O_DIRECT
 
 Every write creates a new object (as new checkpoints do); the previous one is deleted outside the
 timed region. Reads fetch the newest object into a preallocated, page-aligned buffer.
@@ -36,6 +37,7 @@ import time
 import numpy as np
 
 from histate.storage import CheckpointStore, StoreConfig, aligned_empty, nixl_available
+from histate.storage.format import ItemSpec, header_bytes_for
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -111,7 +113,7 @@ class StoreObjects:
             r = self.store.put(keys[0], self.srcs[0])
             assert r.stored, r
         else:
-            assert all(r.stored for r in self.store.submit_put(list(zip(keys, self.srcs))).wait())
+            assert all(r.stored for r in self.store.put_many(list(zip(keys, self.srcs)), pack=True))
         self.last = rep
 
     def read(self, _rep: int) -> None:
@@ -120,11 +122,10 @@ class StoreObjects:
             r = self.store.get(keys[0], out=self.dsts[0])
             assert r.hit, r
         else:
-            assert all(r.hit for r in self.store.submit_get(keys, out=self.dsts).wait())
+            assert all(r.hit for r in self.store.get_many(keys, out=self.dsts))
 
     def drop(self, rep: int) -> None:
-        for k in self._keys(rep):
-            self.store.delete(k)
+        self.store.delete_many(self._keys(rep))
 
 
 class Case:
@@ -156,17 +157,19 @@ def build_cases(stores: dict[str, CheckpointStore], raw_dir: str, rng) -> list[C
         for impl, store in stores.items():
             impls[impl] = StoreObjects(store, f"ckpt-{size}", [src], [dst])
         cases.append(Case(("call " if size == SMALL_BYTES else "ckpt ") + label, size, impls))
-    pages = [_aligned_random(rng, KV_PAGE_BYTES) for _ in range(KV_PAGES)]
-    outs = [aligned_empty(KV_PAGE_BYTES) for _ in range(KV_PAGES)]
-    page_files = [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)]
-    for f, p in zip(page_files, pages):
-        f[:4096] = 0
-        f[4096:] = p
-    seq = aligned_empty(KV_PAGES * KV_PAGE_BYTES)
-    seq[:] = np.concatenate(pages)
+    # pages are slices of one host pool, as SGLang's host KV pool is (separate small buffers would make
+    # every O_DIRECT transfer pin 4 KiB pages instead of huge pages: ~2x slower here, for raw I/O too)
+    seq = _aligned_random(rng, KV_PAGES * KV_PAGE_BYTES)
+    pages = [seq[i * KV_PAGE_BYTES: (i + 1) * KV_PAGE_BYTES] for i in range(KV_PAGES)]
+    pool_out = aligned_empty(KV_PAGES * KV_PAGE_BYTES)
+    outs = [pool_out[i * KV_PAGE_BYTES: (i + 1) * KV_PAGE_BYTES] for i in range(KV_PAGES)]
+    header_bytes = header_bytes_for([ItemSpec(f"kv-0-{i}", KV_PAGE_BYTES, "|u1", (KV_PAGE_BYTES,))
+                                     for i in range(KV_PAGES)], StoreConfig.chunk_bytes)
+    pack = aligned_empty(header_bytes + seq.size)  # what the store's pack holds: header + pages
+    pack[:header_bytes] = 0
+    pack[header_bytes:] = seq
     impls = {"raw": RawFiles(raw_dir, "raw-kv", [seq], [aligned_empty(seq.size)], publish=False),
-             "raw-layout": RawFiles(raw_dir, "layout-kv", page_files,
-                                    [aligned_empty(KV_PAGE_BYTES + 4096) for _ in range(KV_PAGES)], publish=True)}
+             "raw-layout": RawFiles(raw_dir, "layout-kv", [pack], [aligned_empty(pack.size)], publish=True)}
     for impl, store in stores.items():
         impls[impl] = StoreObjects(store, "kv", pages, outs)
     cases.append(Case(f"kv {KV_PAGES}x{KV_PAGE_BYTES // KiB} KiB", KV_PAGES * KV_PAGE_BYTES, impls))

@@ -40,3 +40,16 @@ def files_under(root) -> list[str]:
     for dirpath, _dirs, names in os.walk(root):
         out.extend(os.path.join(dirpath, n) for n in names)
     return sorted(out)
+
+
+def snapshot_tree(root) -> dict[str, bytes]:
+    """Relative path -> content of every regular file under `root` (symlinks: their target)."""
+    out = {}
+    for path in files_under(root):
+        rel = os.path.relpath(path, root)
+        if os.path.islink(path):
+            out[rel] = b"-> " + os.readlink(path).encode()
+        else:
+            with open(path, "rb") as fh:
+                out[rel] = fh.read()
+    return out

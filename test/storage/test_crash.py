@@ -2,7 +2,8 @@
 
 The writer freezes one write half-way (pieces on disk, header not yet written) before it is killed,
 so a torn temp file is guaranteed to exist at the crash, not just likely. Without power loss the page
-cache survives the process, so every put acknowledged before the kill must still be served.
+cache survives the process, so every put acknowledged before the kill must still be served. Run with
+single objects and with packed batches (four checkpoints per file).
 """
 import os
 import signal
@@ -23,10 +24,12 @@ from crash_writer import payload_bytes  # noqa: E402
 
 
 @pytest.mark.timeout(180)
-def test_sigkill_mid_stream_then_restart(tmp_path, backend):
+@pytest.mark.parametrize("pack", [False, True], ids=["objects", "packed"])
+def test_sigkill_mid_stream_then_restart(tmp_path, backend, pack):
     root = str(tmp_path / "store")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "crash_writer.py"), root, backend, "30"],
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "crash_writer.py"), root, backend, "30",
+                             *(["pack"] if pack else [])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     acked: dict[str, int] = {}
     watchdog = threading.Timer(90, proc.kill)  # a writer that never pauses must not hang the suite

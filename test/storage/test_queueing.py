@@ -17,21 +17,21 @@ from histate.storage import Fault
 def gated(monkeypatch):
     """Record execution order; the put of key 'blocker' waits for `gate` once it has started."""
     gate, started, order = threading.Event(), threading.Event(), []
-    real_write, real_read = store_mod.write_object, store_mod.read_object
+    real_write, real_read = store_mod.write_items, store_mod.read_items
 
-    def write_object(sess, path, src, key, *args):
-        order.append(("put", key))
-        if key == "blocker":
+    def write_items(sess, f, seq, specs, *args):
+        order.append(("put", specs[0].key))
+        if specs[0].key == "blocker":
             started.set()
             assert gate.wait(30)
-        return real_write(sess, path, src, key, *args)
+        return real_write(sess, f, seq, specs, *args)
 
-    def read_object(sess, path, header, *args):
-        order.append(("get", header.key))
-        return real_read(sess, path, header, *args)
+    def read_items(sess, f, header, indices, *args):
+        order.append(("get", header.items[indices[0]].key))
+        return real_read(sess, f, header, indices, *args)
 
-    monkeypatch.setattr(store_mod, "write_object", write_object)
-    monkeypatch.setattr(store_mod, "read_object", read_object)
+    monkeypatch.setattr(store_mod, "write_items", write_items)
+    monkeypatch.setattr(store_mod, "read_items", read_items)
     return gate, started, order
 
 

@@ -82,13 +82,80 @@ def parse_intervals_tokens(text: Any, *, option: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
+MIN_SSD_SIZE_BYTES = 64 * 2**20
+"""Smallest non-zero SSD budget per rank: one recurrent checkpoint of the reference model
+(Qwen3.5-9B, FP32 states: ~49 MiB) plus its header must fit, or every state write would fail."""
+
+
+def parse_ssd_size_bytes(text: Any, *, option: str) -> int:
+    """--histate-ssd-size: 0 (= sized from free space) or at least MIN_SSD_SIZE_BYTES per rank."""
+    size_bytes = parse_size_bytes(text, option=option)
+    if size_bytes == 0 and float(re.sub(r"[^0-9.]", "", str(text)) or 0) > 0:
+        raise HiStateConfigError(f"{option}: {text!r} rounds to 0 bytes (0 would mean 'sized from free space'); "
+                                 f"give at least {MIN_SSD_SIZE_BYTES // 2**20}MiB")
+    if 0 < size_bytes < MIN_SSD_SIZE_BYTES:
+        raise HiStateConfigError(f"{option}: {text!r} = {size_bytes} bytes is below the minimum of "
+                                 f"{MIN_SSD_SIZE_BYTES // 2**20}MiB per rank (one checkpoint must fit); "
+                                 f"give 0 for 'sized from free space'")
+    return size_bytes
+
+
 def parse_dirs(text: Any, *, option: str) -> tuple[str, ...]:
-    """Directories from a list (CLI nargs) or a comma/colon-separated env string."""
-    items = text if isinstance(text, (list, tuple)) else re.split(r"[,:]", str(text))
-    dirs = tuple(os.path.abspath(os.path.expanduser(d.strip())) for d in items if str(d).strip())
+    """Directories from a list (CLI nargs) or a comma-separated env string. An empty entry, or one with
+    ':' (a PATH-style list is not how this option is written), is an error, never silently dropped."""
+    items = list(text) if isinstance(text, (list, tuple)) else str(text).split(",")
+    dirs = []
+    for item in items:
+        entry = str(item).strip()
+        if not entry:
+            raise HiStateConfigError(f"{option}: empty directory in {items!r} (separate directories with commas "
+                                     f"in the env var, spaces on the command line)")
+        if ":" in entry:
+            raise HiStateConfigError(f"{option}: {entry!r} contains ':'; list directories separated by commas "
+                                     f"(a directory name with ':' is not supported)")
+        dirs.append(os.path.abspath(os.path.expanduser(entry)))
     if len(set(dirs)) != len(dirs):
-        raise HiStateConfigError(f"{option}: directory listed twice in {list(dirs)}")
-    return dirs
+        raise HiStateConfigError(f"{option}: directory listed twice in {dirs}")
+    return tuple(dirs)
+
+
+def _section_dirs(value: Any, *, option: str) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(d, str) for d in value):
+        raise HiStateConfigError(f"{option}: ssd_dirs must be a list of directory names, got {value!r}")
+    return list(parse_dirs(value, option=f"{option}: ssd_dirs"))
+
+
+def _section_size(value: Any, *, option: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise HiStateConfigError(f"{option}: ssd_size_bytes must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _section_backend(value: Any, *, option: str) -> str:
+    if value not in SSD_BACKEND_CHOICES:
+        raise HiStateConfigError(f"{option}: io_backend must be one of {', '.join(SSD_BACKEND_CHOICES)}, "
+                                 f"got {value!r}")
+    return value
+
+
+_SECTION_FIELDS: dict[str, Callable[..., Any]] = {
+    "ssd_dirs": _section_dirs, "ssd_size_bytes": _section_size, "io_backend": _section_backend,
+}
+
+
+def parse_storage_section(section: Any, *, option: str) -> dict:
+    """The `histate` section of the HiCache storage extra config, checked field by field (one clear error
+    naming the field, never a TypeError from deep inside the backend)."""
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise HiStateConfigError(f"{option}: 'histate' must be an object with {', '.join(_SECTION_FIELDS)}, "
+                                 f"got {type(section).__name__}")
+    unknown = sorted(set(section) - set(_SECTION_FIELDS))
+    if unknown:
+        raise HiStateConfigError(f"{option}: unknown key(s) {unknown} in 'histate' "
+                                 f"(known: {', '.join(_SECTION_FIELDS)})")
+    return {key: _SECTION_FIELDS[key](value, option=option) for key, value in section.items()}
 
 
 def _parse_bool(text: Any, *, option: str) -> bool:
@@ -153,10 +220,12 @@ OPTIONS: tuple[Option, ...] = (
                 "and SSD checkpoint store. Hybrid (attention + Mamba/GDN) models only."),
     Option("ssd_dirs", "--histate-ssd-dir", "HISTATE_SSD_DIR", parse_dirs, nargs="+", metavar="DIR",
            help="One or more directories for the SSD tier (historical checkpoints, cold KV pages). "
-                "Env: comma-separated. Without it HiState runs on device + host memory only."),
-    Option("ssd_size_bytes", "--histate-ssd-size", "HISTATE_SSD_SIZE", parse_size_bytes, metavar="SIZE",
-           help="SSD budget across all directories, e.g. 150GiB (a bare number is GB). "
-                "0 = 90% of the free space in those directories at start."),
+                "Env: comma-separated. Each rank stores in its own subdirectory; nothing else in DIR "
+                "is touched. Without it HiState runs on device + host memory only."),
+    Option("ssd_size_bytes", "--histate-ssd-size", "HISTATE_SSD_SIZE", parse_ssd_size_bytes, metavar="SIZE",
+           help="SSD budget of each rank across its directories, e.g. 150GiB (a bare number is GB; like "
+                "SGLang's file backend max_size, it is per rank); at least 64MiB. "
+                "0 = 90 percent of the free space, split between the TP x PP ranks."),
     Option("intervals_tokens", "--histate-intervals", "HISTATE_INTERVALS", parse_intervals_tokens,
            nargs="+", metavar="TOKENS",
            help="Supported checkpoint intervals in tokens (multiples of 64), e.g. 1024,2048,4096. "

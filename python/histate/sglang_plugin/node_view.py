@@ -52,7 +52,7 @@ class ScoringContext:
     the node views need."""
 
     __slots__ = ("tau_s", "page_num_tokens", "checkpoint_token_equiv", "terminal_prob", "near_end_probs",
-                 "state_on_ssd")
+                 "restore_cost", "demotion_tier", "state_on_ssd")
 
     def __init__(self, config: Any, terminal_prob: float, state_on_ssd: Callable[[Any], bool]):
         self.tau_s = config.tau_s
@@ -60,6 +60,7 @@ class ScoringContext:
         self.checkpoint_token_equiv = config.checkpoint_token_equiv
         self.terminal_prob = terminal_prob
         self.near_end_probs = ()  # the paper's uniform interior prior until the plugin uses PolicyState
+        self.restore_cost, self.demotion_tier = (), ()  # every eviction charged its recompute (the paper)
         self.state_on_ssd = state_on_ssd
 
 

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Callable, Optional
 
-from .config import HiStateConfig, HiStateConfigError
+from .config import HiStateConfig, HiStateConfigError, parse_storage_section
 
 RADIX_BACKEND_NAME = "histate"
 STORAGE_BACKEND_NAME = "histate"
@@ -126,7 +126,7 @@ def storage_extra_config(raw: Any, config: HiStateConfig) -> dict:
                 f"HiState's SSD backend ({key}={value!r}); drop that key"
             )
     extra.update(ours)
-    section = dict(extra.get(EXTRA_CONFIG_KEY) or {})
+    section = parse_storage_section(extra.get(EXTRA_CONFIG_KEY), option="--hicache-storage-backend-extra-config")
     section.update(ssd_dirs=list(config.ssd_dirs), ssd_size_bytes=config.ssd_size_bytes,
                    io_backend=config.ssd_backend)
     extra[EXTRA_CONFIG_KEY] = section

@@ -7,7 +7,8 @@ section with the directories, the byte budget and the I/O engine). Bytes go thro
 checksummed, atomically published, index rebuilt on restart); this module only maps SGLang's
 calls onto it:
 
-  * KV pages (generic page path): `batch_get` / `batch_set` / `batch_exists`, one object per page;
+  * KV pages (generic page path): `batch_get` / `batch_set` / `batch_exists`; the pages of one
+    `batch_set` go into one packed file, each still read, checked and evicted on its own;
   * extra pools, in particular the MAMBA pool (v2 path): `batch_get_v2` / `batch_set_v2` move one
     state per key between the host pool and the store;
   * `batch_exists_v2` reports every restorable prefix length: a prefix of p pages is restorable
@@ -16,13 +17,16 @@ calls onto it:
     node end, and HiState creates a node end at every planned checkpoint) is a resume point, not
     only the end of the longest hit.
 
-Store keys are `<pool>/<page hash><rank suffix>`; the suffix keeps TP/PP ranks apart like
-SGLang's file backend does. Faults never raise: a failed read is a miss, a failed write is False.
+Ranks that share a --histate-ssd-dir each own a namespace (subdirectory) in it, with its own lock
+and its own byte budget (`rank_namespace`, `rank_budget_bytes`). Store keys are `<pool>/<page
+hash><rank suffix>` as before. KV pages of one `batch_set` are packed into one file. Faults never
+raise: a failed read is a miss, a failed write is False.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from typing import Any, Callable, List, Optional
 
@@ -37,12 +41,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from .config import MIN_SSD_SIZE_BYTES, HiStateConfigError, parse_storage_section
 from .server_settings import EXTRA_CONFIG_KEY
 
 logger = logging.getLogger(__name__)
 
 KV_POOL = "kv"
 FREE_SPACE_FRACTION = 0.9  # budget when --histate-ssd-size is 0: this share of the free space
+MAX_REPLICA_SLOTS = 64  # namespaces tried per rank identity (data-parallel replicas share one identity)
+_SECTION_OPTION = "--hicache-storage-backend-extra-config"
 
 
 def default_budget_bytes(dirs: list[str]) -> int:
@@ -54,16 +61,62 @@ def default_budget_bytes(dirs: list[str]) -> int:
     return int(sum(seen.values()) * FREE_SPACE_FRACTION)
 
 
-def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None) -> Any:
-    """A CheckpointStore from the `histate` section of the extra config."""
-    from histate.storage import CheckpointStore, StoreConfig
+def rank_budget_bytes(section: dict, num_ranks: int) -> int:
+    """This rank's byte budget: --histate-ssd-size (per rank, like the `max_size` of SGLang's file
+    backend, which each rank applies to the files it owns: sglang/srt/mem_cache/storage/file/
+    lru_file_evictor.py:76-80, 145-146, 281-304), or, when 0, its share of 90% of the free space. Below one checkpoint it is a config error."""
+    size = section.get("ssd_size_bytes") or 0
+    budget = size or default_budget_bytes(section["ssd_dirs"]) // max(1, num_ranks)
+    if budget < MIN_SSD_SIZE_BYTES:
+        what = (f"{size} bytes" if size else
+                f"0 (auto) leaves {budget // 2**20} MiB per rank ({num_ranks} ranks, 90% of the free space)")
+        raise HiStateConfigError(f"--histate-ssd-size: {what} is below the minimum of {MIN_SSD_SIZE_BYTES // 2**20}MiB "
+                                 f"per rank (one checkpoint must fit)")
+    return budget
 
-    dirs = list(section.get("ssd_dirs") or [])
-    if not dirs:
-        raise ValueError("HiState storage backend: extra config has no histate.ssd_dirs (--histate-ssd-dir)")
-    budget = int(section.get("ssd_size_bytes") or 0) or default_budget_bytes(dirs)
-    config = StoreConfig(dirs=dirs, capacity_bytes=budget, backend=section.get("io_backend", "auto"))
-    return CheckpointStore(config, on_evict=on_evict)
+
+def rank_suffix(storage_config: HiCacheStorageConfig) -> str:
+    """This rank's identity as SGLang's file backend appends it to every key: model, TP rank/size, PP,
+    CP (sglang/srt/mem_cache/hicache_storage.py:738-760 build it, :822-826 suffix every key)."""
+    model = "-".join((storage_config.model_name or "").split("/"))
+    suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
+    if storage_config.pp_size > 1:
+        suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
+    if storage_config.attn_cp_size > 1:
+        suffix += f"_cp{storage_config.attn_cp_rank}_{storage_config.attn_cp_size}"
+    return suffix
+
+
+def rank_namespace(storage_config: HiCacheStorageConfig) -> str:
+    """Subdirectory of every --histate-ssd-dir that this rank owns: its rank suffix plus the
+    attention-DP rank (with DP attention tp_rank is group-local, hicache_storage.py:41-42; the file
+    backend leaves it out), as one safe directory name."""
+    name = "rank" + rank_suffix(storage_config)
+    if getattr(storage_config, "dp_rank", 0):
+        name += f"_dp{storage_config.dp_rank}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:180]
+
+
+def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None, *, namespace: str = "",
+               num_ranks: int = 1) -> Any:
+    """A CheckpointStore from the `histate` section of the extra config, in `namespace` under each
+    directory. A namespace held by a live store (a data-parallel replica with the same rank identity)
+    makes it take the next free slot, `<namespace>.1`, `<namespace>.2`, ..."""
+    from histate.storage import CheckpointStore, DirectoryInUse, StoreConfig
+
+    section = parse_storage_section(section, option=_SECTION_OPTION)
+    if not section.get("ssd_dirs"):
+        raise HiStateConfigError(f"{_SECTION_OPTION}: no histate.ssd_dirs (give --histate-ssd-dir)")
+    budget = rank_budget_bytes(section, num_ranks)
+    for slot in range(MAX_REPLICA_SLOTS):
+        name = f"{namespace}.{slot}" if slot else namespace
+        config = StoreConfig(dirs=section["ssd_dirs"], capacity_bytes=budget,
+                             backend=section.get("io_backend", "auto"), namespace=name)
+        try:
+            return CheckpointStore(config, on_evict=on_evict)
+        except DirectoryInUse:
+            logger.info("HiState storage: %s is in use; trying the next slot", name)
+    raise HiStateConfigError(f"--histate-ssd-dir: all {MAX_REPLICA_SLOTS} slots of {namespace} are in use")
 
 
 class HiStateStorageBackend(HiCacheStorage):
@@ -72,18 +125,14 @@ class HiStateStorageBackend(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *,
                  store: Any = None):
         extra = storage_config.extra_config or {}
-        section = dict(extra.get(EXTRA_CONFIG_KEY) or {})
-        model = "-".join((storage_config.model_name or "").split("/"))
-        suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
-        if storage_config.pp_size > 1:
-            suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
-        if storage_config.attn_cp_size > 1:
-            suffix += f"_cp{storage_config.attn_cp_rank}_{storage_config.attn_cp_size}"
-        self.key_suffix = suffix
+        section = extra.get(EXTRA_CONFIG_KEY)
+        self.key_suffix = rank_suffix(storage_config)
         self.metrics: Any = None  # HiStateMetrics, set by the tree cache once attached
         self.on_state_evicted: Optional[Callable[[float], None]] = None  # T_state EMA feed
         self.on_state_written: Optional[Callable[[], None]] = None  # first SSD checkpoint (censoring)
-        self.store = store if store is not None else open_store(section, on_evict=self._on_evict)
+        self.store = store if store is not None else open_store(
+            section, on_evict=self._on_evict, namespace=rank_namespace(storage_config),
+            num_ranks=storage_config.tp_size * storage_config.pp_size)
         self.registered_pools: dict = {}
         # Checkpoints on SSD (for the per-tier gauge); warm restarts start from the rebuilt index.
         self.num_states = sum(1 for k in self.store.keys() if not k.startswith(f"{KV_POOL}/")
@@ -165,9 +214,9 @@ class HiStateStorageBackend(HiCacheStorage):
         # A destination of the wrong size is a layout mismatch: report a miss, do not raise.
         usable = [out is None or (size is not None and out.numel() * out.element_size() == size)
                   for out, size in zip(outs, present)]
-        results = self.store.submit_get(
+        results = self.store.get_many(
             [k for k, ok in zip(store_keys, usable) if ok],
-            [o for o, ok in zip(outs, usable) if ok] if target_locations is not None else None).wait()
+            [o for o, ok in zip(outs, usable) if ok] if target_locations is not None else None)
         it = iter(results)
         values: list = []
         for ok, out in zip(usable, outs):
@@ -187,7 +236,7 @@ class HiStateStorageBackend(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         items = [(self.store_key(KV_POOL, k), v.contiguous()) for k, v in zip(keys, values)
                  if not self.store.exists(self.store_key(KV_POOL, k))]
-        results = self.store.submit_put(items).wait() if items else []
+        results = self.store.put_many(items, pack=True) if items else []
         for (key, value), result in zip(items, results):
             if result.stored:
                 self._count_io(written_bytes=value.numel() * value.element_size())
@@ -287,9 +336,7 @@ class HiStateStorageBackend(HiCacheStorage):
     # --- lifecycle -----------------------------------------------------------------------------------
 
     def clear(self) -> bool:
-        for key in self.store.keys():
-            if key.endswith(self.key_suffix):
-                self.store.delete(key)
+        self.store.delete_many([key for key in self.store.keys() if key.endswith(self.key_suffix)])
         return True
 
     def get_stats(self) -> dict:

@@ -204,13 +204,13 @@ QWEN3_NEXT_80B_A3B_ARCH = HybridArchitecture(
     weight_dtype_bytes=1, native_context_num_tokens=262144)
 
 TINY_QWEN35_ARCH = HybridArchitecture(
-    # histate.reference's tiny random-weight Qwen3.5 (refmodel.md: 8 layers 3:1, hidden 128, fp32);
-    # transformers keeps all `kernel` conv columns, so its measured checkpoint is 122,880 B.
+    # histate.reference's tiny random-weight Qwen3.5 (refmodel.md: 8 layers 3:1, hidden 128, fp32). Its
+    # executor (and `histate serve`) checkpoints kernel - 1 conv columns like SGLang and vLLM
+    # (reference/gdn_kernels.py): 116,736 B; transformers' own cache keeps all `kernel` (122,880 B).
     name="tiny-qwen3.5", num_layers=8, num_attention_layers=2, hidden_size=128, vocab_size=512,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, intermediate_size=256,
-    kv_dtype_bytes=4, conv_dtype_bytes=4, conv_state_num_columns=4, weight_dtype_bytes=4,
-    native_context_num_tokens=65536)
+    kv_dtype_bytes=4, conv_dtype_bytes=4, weight_dtype_bytes=4, native_context_num_tokens=65536)
 
 QWEN35_9B = ModelSpec.from_architecture(QWEN35_9B_ARCH)
 QWEN3_NEXT_80B_A3B = ModelSpec.from_architecture(QWEN3_NEXT_80B_A3B_ARCH)

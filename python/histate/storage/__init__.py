@@ -13,10 +13,11 @@ from histate.storage.buffers import aligned_empty
 from histate.storage.config import StoreConfig
 from histate.storage.layout import InvalidKeyError
 from histate.storage.nixl_backend import NixlUnavailable, nixl_available
+from histate.storage.ownership import DirectoryInUse, StoreDirectoryError
 from histate.storage.results import EvictionEvent, Fault, GetResult, PutResult
 from histate.storage.store import CheckpointStore
 
 __all__ = [
     "CheckpointStore", "StoreConfig", "IoBatch", "GetResult", "PutResult", "EvictionEvent", "Fault",
-    "InvalidKeyError", "NixlUnavailable", "nixl_available", "aligned_empty",
+    "InvalidKeyError", "NixlUnavailable", "nixl_available", "aligned_empty", "StoreDirectoryError", "DirectoryInUse",
 ]

@@ -16,11 +16,16 @@ class IoBatch(Generic[R]):
         self._cond = threading.Condition()
 
     def _complete(self, index: int, result: R) -> None:
+        self._complete_many([(index, result)])
+
+    def _complete_many(self, results: list[tuple[int, R]]) -> None:
+        """Complete several items under one lock acquisition (a packed batch finishes together)."""
         with self._cond:
-            if self._results[index] is not None:
-                raise RuntimeError(f"batch item {index} completed twice")
-            self._results[index] = result
-            self._remaining -= 1
+            for index, result in results:
+                if self._results[index] is not None:
+                    raise RuntimeError(f"batch item {index} completed twice")
+                self._results[index] = result
+            self._remaining -= len(results)
             if self._remaining == 0:
                 self._cond.notify_all()
 

@@ -1,12 +1,15 @@
 """Store configuration: every knob with its unit and the default chosen by measurement."""
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
 
 from histate.storage.format import DEFAULT_CHUNK_BYTES
 
 BACKENDS = ("auto", "nixl", "file")
 BACKLOG_POLICIES = ("drop", "delay")
+_NAMESPACE = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]{1,200}")
 
 
 @dataclass
@@ -16,17 +19,24 @@ class StoreConfig:
     backend: str = "auto"  # "auto": NIXL POSIX when it starts, plain files otherwise; "nixl" | "file" force
     direct_io: bool | None = None  # None: O_DIRECT wherever the file system accepts it
     num_workers: int = 2  # I/O worker threads (each with its own NIXL agent or file session)
-    file_io_threads: int = 2  # per worker, plain backend: helper threads that move pieces while the worker checksums
+    file_io_threads: int = 0  # per worker, plain backend: helper threads for the syscalls (0: the worker does them)
     nixl_params: dict[str, str] = field(default_factory=dict)  # POSIX plugin params, e.g. {"use_uring": "true"}
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # checksum granularity
-    piece_bytes: int = 8 << 20  # pipeline I/O unit
+    piece_bytes: int = 16 << 20  # pipeline unit: I/O size of reads (and of writes needing bounce buffers)
     max_inflight: int = 4  # pipeline depth, pieces
-    checksum_threads: int = 2  # shared pool that checksums pieces beside the I/O (0: in the I/O thread)
+    checksum_threads: int = 1  # pool that checksums beside synchronous I/O (plain backend); NIXL checksums between polls
     checksum: str = "auto"  # payload checksum of new files: "xxh3" (needs xxhash), "crc32"; auto = xxh3 if installed
     max_write_backlog_bytes: int = 1 << 30  # queued + running put payload bytes
     max_write_backlog_items: int = 4096
     backlog_policy: str = "drop"  # "drop": refuse the put (counted); "delay": block the submitter
     preallocate: bool = True  # posix_fallocate each file: ENOSPC before any data moves
+    namespace: str = ""  # "" = each dir is the store's root; else the root is <dir>/<namespace> (one per process)
+    pack_max_bytes: int = 64 << 20  # submit_put(pack=True): payload bytes per pack file
+
+    @property
+    def roots(self) -> list[str]:
+        """The directories the store owns: `dirs`, or `<dir>/<namespace>` for each when namespaced."""
+        return [os.path.join(d, self.namespace) if self.namespace else d for d in self.dirs]
 
     def __post_init__(self) -> None:
         if isinstance(self.dirs, str):
@@ -46,5 +56,9 @@ class StoreConfig:
             problems.append(f"checksum={self.checksum!r}: one of auto, xxh3, crc32")
         if self.chunk_bytes <= 0 or self.chunk_bytes % 4096:
             problems.append(f"chunk_bytes={self.chunk_bytes}: a positive multiple of 4096")
+        if self.namespace and not _NAMESPACE.fullmatch(self.namespace):
+            problems.append(f"namespace={self.namespace!r}: one directory name of [A-Za-z0-9._-], not . or ..")
+        if self.pack_max_bytes <= 0:
+            problems.append(f"pack_max_bytes={self.pack_max_bytes}: must be positive")
         if problems:
             raise ValueError("invalid StoreConfig: " + "; ".join(problems))

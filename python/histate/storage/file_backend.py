@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from histate.storage.io_base import IoSession, OpenFile, Segment, check_direct_segments
+from histate.storage.io_base import IoSession, OpenFile, Segment
 from histate.storage.results import Fault, IoFault, fault_from_oserror
 
 
@@ -43,7 +43,6 @@ def _advance(views: list[np.ndarray], num_bytes: int) -> list[np.ndarray]:
 
 def move_segments(f: OpenFile, op: str, segments: Sequence[Segment]) -> int:
     """Blocking transfer of every segment; returns bytes moved. Raises IoFault (short file included)."""
-    check_direct_segments(f, segments)
     moved = 0
     for offset, views in _coalesce(segments):
         total = sum(v.size for v in views)
@@ -80,6 +79,7 @@ class FileSession(IoSession):
     def __init__(self, io_threads: int = 1, preallocate: bool = True):
         super().__init__(preallocate=preallocate)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="histate-file-io") if io_threads else None
+        self.synchronous = self._pool is None
 
     def run(self, f: OpenFile, op: str, segments: Sequence[Segment]) -> None:
         move_segments(f, op, segments)

@@ -1,20 +1,26 @@
-"""On-disk object format: one file per key = header block(s) + zero-padded payload.
+"""On-disk file format (version 2): one header, then the payloads of one or more items.
 
-Layout (little-endian), version 1::
+A file holds one object (named by its key) or a pack of several (a batch of KV pages, named by its
+sequence number). Layout, little-endian::
 
-    [0, header_bytes)       header, zero-padded to a multiple of ALIGN_BYTES
+    [0, header_bytes)     header, zero-padded to a multiple of ALIGN_BYTES
         magic "HSTSTORE" | u16 version | u16 flags (low 4 bits: payload checksum algorithm)
-        | u32 header_bytes | u64 payload_bytes | u32 chunk_bytes | u32 num_chunks | u16 key_len
-        | u16 dtype_len | u16 ndim | u16 reserved | key (UTF-8) | dtype name (ASCII) | shape (ndim x u64)
-        | checksum of every payload chunk (u32 each) | u32 CRC32 of all header bytes before it
-    [header_bytes, +padded) payload, zero-padded to a multiple of ALIGN_BYTES
+        | u32 header_bytes | u64 seq | u32 chunk_bytes | u32 num_items
+        | per item: u64 payload_bytes | u16 key_len | u16 dtype_len | u16 ndim | u16 reserved
+        |           key (UTF-8) | dtype name (ASCII) | shape (ndim x u64) | u32 checksum per chunk
+        | u32 CRC-32 of every header byte before it
+        | liveness: one byte per item (LIVE, or anything else = deleted); not covered by the CRC
+    then each item's payload in order, each starting block aligned and zero-padded to ALIGN_BYTES
 
-Why this shape: both regions are block aligned so the same file can be read and written with O_DIRECT
-by NIXL and by plain pread/pwrite; the payload checksum is a list of per-chunk checksums (not one) so
-each chunk can be verified as soon as its I/O lands and on several threads, overlapping checksum work
-with the disk; the key is stored so a file can never be served under the wrong name (hashed file
-names, renamed files). Payload checksums are the low 32 bits of XXH3-64 (xxhash, ~4x faster than
-zlib's CRC-32 and GIL-free) when xxhash is installed, CRC-32 otherwise; the header says which.
+Why this shape: every region is block aligned, so the same file is read and written with and without
+O_DIRECT, by NIXL and by plain syscalls. Payload checksums are per chunk so each chunk is verified as
+soon as its I/O lands, on several threads. Each chunk checksum is seeded with the item's key, the
+file's sequence number and the chunk's index, so a page read alone from a pack (without its header)
+can never be served under another key, from another version, or from another place. `seq` orders
+writes: when two files hold the same key, the higher one is the later write. The liveness bytes let
+one item of a pack be deleted durably (one byte written) while its neighbours stay; they sit outside
+the CRC because they change after the file is published, and any value but LIVE reads as deleted, so
+damage there can only turn a hit into a miss.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Sequence
 
 try:
     import xxhash
@@ -29,97 +36,142 @@ except ImportError:  # the storage extra installs it; CRC-32 keeps the store wor
     xxhash = None
 
 MAGIC = b"HSTSTORE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ALIGN_BYTES = 4096  # O_DIRECT alignment of buffer address, file offset and length (safe for 512e/4Kn)
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_KEY_BYTES = 1024
 MAX_NDIM = 32
+MAX_ITEMS = 1 << 16
+LIVE = 0x4C  # liveness byte of a stored item ('L'); zeros (a torn or never-written table) read as deleted
+DEAD = 0x00
 CHECKSUM_CRC32 = 0  # zlib CRC-32
 CHECKSUM_XXH3 = 1  # low 32 bits of XXH3-64
 CHECKSUM_NAMES = {"crc32": CHECKSUM_CRC32, "xxh3": CHECKSUM_XXH3}
 DEFAULT_CHECKSUM = CHECKSUM_XXH3 if xxhash is not None else CHECKSUM_CRC32
 _FLAG_CHECKSUM_MASK = 0xF
 
-_FIXED = struct.Struct("<8sHHIQIIHHHH")  # 40 bytes
+_FIXED = struct.Struct("<8sHHIQII")  # 32 bytes
+_ITEM = struct.Struct("<QHHHH")  # 16 bytes
 _CRC = struct.Struct("<I")
 
 
 class FormatError(ValueError):
-    """A header that is not a valid version-1 header (torn, corrupt, foreign or future file)."""
+    """A header that is not a valid version-2 header (torn, corrupt, foreign or future file)."""
 
 
 def align_up(num_bytes: int, align_bytes: int = ALIGN_BYTES) -> int:
     return -(-num_bytes // align_bytes) * align_bytes
 
 
-@dataclass(frozen=True)
-class Header:
-    key: str
-    payload_bytes: int
-    dtype_name: str  # numpy dtype.str ("<f4") or a foreign name such as "torch.bfloat16"
-    shape: tuple[int, ...]
-    chunk_bytes: int
-    chunk_checksums: tuple[int, ...]
-    checksum_algo: int = CHECKSUM_CRC32
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.chunk_checksums)
-
-    @cached_property  # frozen dataclass: cached in the instance __dict__, not a field
-    def header_bytes(self) -> int:
-        return header_bytes_for(self.key, self.dtype_name, len(self.shape), self.num_chunks)
-
-    @cached_property
-    def file_bytes(self) -> int:
-        return self.header_bytes + align_up(self.payload_bytes)
-
-
 def num_chunks_for(payload_bytes: int, chunk_bytes: int) -> int:
     return -(-payload_bytes // chunk_bytes)
 
 
-def header_bytes_for(key: str, dtype_name: str, ndim: int, num_chunks: int) -> int:
-    raw = _FIXED.size + len(key.encode()) + len(dtype_name.encode()) + 8 * ndim + 4 * num_chunks + 4
-    return align_up(raw)
+@dataclass(frozen=True)
+class ItemSpec:
+    """What the header needs to know about an item before its payload is checksummed."""
+
+    key: str
+    payload_bytes: int
+    dtype_name: str  # numpy dtype.str ("<f4") or a foreign name such as "torch.bfloat16"
+    shape: tuple[int, ...]
+
+    @cached_property  # frozen dataclass: cached in the instance __dict__, not a field
+    def record(self) -> bytes:
+        """The item's header record up to (not including) its chunk checksums."""
+        key_b, dtype_b = self.key.encode(), self.dtype_name.encode("ascii")
+        if len(key_b) > MAX_KEY_BYTES or len(self.shape) > MAX_NDIM:
+            raise FormatError(f"key of {len(key_b)} bytes or ndim {len(self.shape)} out of range")
+        return b"".join((_ITEM.pack(self.payload_bytes, len(key_b), len(dtype_b), len(self.shape), 0), key_b,
+                         dtype_b, struct.pack(f"<{len(self.shape)}Q", *self.shape)))
 
 
-def file_bytes_for(key: str, dtype_name: str, ndim: int, payload_bytes: int, chunk_bytes: int) -> int:
+@dataclass(frozen=True)
+class Item(ItemSpec):
+    chunk_checksums: tuple[int, ...] = ()
+    offset: int = 0  # file offset of the payload (block aligned), derived from the items before it
+
+    @property
+    def padded_bytes(self) -> int:
+        return align_up(self.payload_bytes)
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    seq: int
+    chunk_bytes: int
+    checksum_algo: int
+    items: tuple[Item, ...]
+
+    @cached_property
+    def liveness_offset(self) -> int:
+        return _body_bytes(self.items, self.chunk_bytes) + _CRC.size
+
+    @cached_property
+    def header_bytes(self) -> int:
+        return align_up(self.liveness_offset + len(self.items))
+
+    @cached_property
+    def file_bytes(self) -> int:
+        return self.header_bytes + sum(i.padded_bytes for i in self.items)
+
+
+def _body_bytes(items: Sequence[ItemSpec], chunk_bytes: int) -> int:
+    return _FIXED.size + sum(len(i.record) + 4 * num_chunks_for(i.payload_bytes, chunk_bytes) for i in items)
+
+
+def header_bytes_for(items: Sequence[ItemSpec], chunk_bytes: int) -> int:
+    return align_up(_body_bytes(items, chunk_bytes) + _CRC.size + len(items))
+
+
+def file_bytes_for(items: Sequence[ItemSpec], chunk_bytes: int) -> int:
     """Bytes a file will occupy (capacity accounting happens before the payload is checksummed)."""
-    n = num_chunks_for(payload_bytes, chunk_bytes)
-    return header_bytes_for(key, dtype_name, ndim, n) + align_up(payload_bytes)
+    return header_bytes_for(items, chunk_bytes) + sum(align_up(i.payload_bytes) for i in items)
 
 
-def chunk_checksum(chunk, algo: int) -> int:
+def item_offsets(items: Sequence[ItemSpec], header_bytes: int) -> list[int]:
+    offsets, pos = [], header_bytes
+    for item in items:
+        offsets.append(pos)
+        pos += align_up(item.payload_bytes)
+    return offsets
+
+
+def item_seed(key: str, seq: int) -> int:
+    """Per-item checksum seed: binds every chunk checksum to its key and to the file's write."""
+    return zlib.crc32(seq.to_bytes(8, "little"), zlib.crc32(key.encode()))
+
+
+def chunk_seed(item_seed_value: int, chunk_index: int) -> int:
+    return (item_seed_value ^ (chunk_index * 0x9E3779B1)) & 0xFFFFFFFF
+
+
+def chunk_checksum(chunk, algo: int, seed: int = 0) -> int:
     """32-bit checksum of one payload chunk with the file's algorithm."""
     if algo == CHECKSUM_XXH3:
         if xxhash is None:
             raise FormatError("file uses XXH3 checksums but xxhash is not installed (pip install xxhash)")
-        return xxhash.xxh3_64_intdigest(chunk) & 0xFFFFFFFF
-    return zlib.crc32(chunk)
+        return xxhash.xxh3_64_intdigest(chunk, seed) & 0xFFFFFFFF
+    return zlib.crc32(chunk, seed)
 
 
-def encode_header(header: Header) -> bytes:
-    """Serialize, zero-padded to exactly `header.header_bytes`."""
-    key_b = header.key.encode()
-    dtype_b = header.dtype_name.encode("ascii")
-    if len(key_b) > MAX_KEY_BYTES or len(header.shape) > MAX_NDIM:
-        raise FormatError(f"key of {len(key_b)} bytes or ndim {len(header.shape)} out of range")
+def encode_header(header: FileHeader, live: Sequence[bool] | None = None) -> bytes:
+    """Serialize, zero-padded to exactly `header.header_bytes`; every item live unless `live` says."""
+    n = len(header.items)
+    if not 1 <= n <= MAX_ITEMS:
+        raise FormatError(f"{n} items per file (1..{MAX_ITEMS})")
     if header.checksum_algo not in CHECKSUM_NAMES.values():
         raise FormatError(f"unknown checksum algorithm {header.checksum_algo}")
-    if header.num_chunks != num_chunks_for(header.payload_bytes, header.chunk_bytes):
-        raise FormatError(f"{header.num_chunks} chunk CRCs for {header.payload_bytes} bytes")
-    size = header.header_bytes
-    body = b"".join((
-        _FIXED.pack(MAGIC, FORMAT_VERSION, header.checksum_algo, size, header.payload_bytes, header.chunk_bytes,
-                    header.num_chunks, len(key_b), len(dtype_b), len(header.shape), 0),
-        key_b,
-        dtype_b,
-        struct.pack(f"<{len(header.shape)}Q", *header.shape),
-        struct.pack(f"<{header.num_chunks}I", *header.chunk_checksums),
-    ))
-    body += _CRC.pack(zlib.crc32(body))
-    return body + bytes(size - len(body))
+    parts = [_FIXED.pack(MAGIC, FORMAT_VERSION, header.checksum_algo, header.header_bytes, header.seq,
+                         header.chunk_bytes, n)]
+    for item in header.items:
+        if len(item.chunk_checksums) != num_chunks_for(item.payload_bytes, header.chunk_bytes):
+            raise FormatError(f"{len(item.chunk_checksums)} checksums for {item.payload_bytes} bytes")
+        parts += [item.record, struct.pack(f"<{len(item.chunk_checksums)}I", *item.chunk_checksums)]
+    body = b"".join(parts)
+    flags = bytes(LIVE if (live is None or live[i]) else DEAD for i in range(n))
+    out = body + _CRC.pack(zlib.crc32(body)) + flags
+    return out + bytes(header.header_bytes - len(out))
 
 
 def header_bytes_from_prefix(prefix) -> int:
@@ -136,36 +188,63 @@ def header_bytes_from_prefix(prefix) -> int:
     return header_bytes
 
 
-def decode_header(buf) -> Header:
-    """Parse and validate a full header; raises FormatError on any inconsistency."""
+def decode_header(buf) -> tuple[FileHeader, tuple[bool, ...]]:
+    """Parse and validate a full header; returns it with each item's liveness. Raises FormatError."""
     buf = memoryview(buf).cast("B")
     header_bytes = header_bytes_from_prefix(buf)
     if len(buf) < header_bytes:
         raise FormatError(f"header needs {header_bytes} bytes, got {len(buf)}")
-    (_m, _v, flags, _hb, payload_bytes, chunk_bytes, num_chunks,
-     key_len, dtype_len, ndim, _r) = _FIXED.unpack_from(buf)
-    end = _FIXED.size + key_len + dtype_len + 8 * ndim + 4 * num_chunks
-    if end + 4 > header_bytes or ndim > MAX_NDIM or key_len > MAX_KEY_BYTES:
-        raise FormatError("header fields overflow the header block")
-    (stored_crc,) = _CRC.unpack_from(buf, end)
-    if zlib.crc32(buf[:end]) != stored_crc:
-        raise FormatError("header checksum mismatch")
+    _m, _v, flags, _hb, seq, chunk_bytes, n = _FIXED.unpack_from(buf)
     algo = flags & _FLAG_CHECKSUM_MASK
     if flags & ~_FLAG_CHECKSUM_MASK or algo not in CHECKSUM_NAMES.values():
         raise FormatError(f"unknown flags {flags:#x}")
-    if chunk_bytes <= 0 or num_chunks != num_chunks_for(payload_bytes, chunk_bytes):
-        raise FormatError(f"{num_chunks} chunks of {chunk_bytes} bytes cannot hold {payload_bytes} bytes")
-    pos = _FIXED.size
-    try:
-        key = bytes(buf[pos: pos + key_len]).decode()
-        dtype_name = bytes(buf[pos + key_len: pos + key_len + dtype_len]).decode("ascii")
-    except UnicodeDecodeError as exc:
-        raise FormatError(f"undecodable key or dtype: {exc}") from None
-    pos += key_len + dtype_len
-    shape = struct.unpack_from(f"<{ndim}Q", buf, pos)
-    pos += 8 * ndim
-    sums = struct.unpack_from(f"<{num_chunks}I", buf, pos)
-    header = Header(key, payload_bytes, dtype_name, tuple(shape), chunk_bytes, tuple(sums), algo)
+    if chunk_bytes <= 0 or chunk_bytes % ALIGN_BYTES or not 1 <= n <= MAX_ITEMS:
+        raise FormatError(f"chunk_bytes {chunk_bytes} / {n} items out of range")
+    specs, pos = [], _FIXED.size
+    for _ in range(n):
+        if pos + _ITEM.size > header_bytes:
+            raise FormatError("item records overflow the header")
+        payload_bytes, key_len, dtype_len, ndim, _r = _ITEM.unpack_from(buf, pos)
+        num_chunks = num_chunks_for(payload_bytes, chunk_bytes)
+        end = pos + _ITEM.size + key_len + dtype_len + 8 * ndim + 4 * num_chunks
+        if end > header_bytes or ndim > MAX_NDIM or key_len > MAX_KEY_BYTES:
+            raise FormatError("item fields overflow the header")
+        p = pos + _ITEM.size
+        try:
+            key = bytes(buf[p: p + key_len]).decode()
+            dtype_name = bytes(buf[p + key_len: p + key_len + dtype_len]).decode("ascii")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"undecodable key or dtype: {exc}") from None
+        p += key_len + dtype_len
+        shape = struct.unpack_from(f"<{ndim}Q", buf, p)
+        sums = struct.unpack_from(f"<{num_chunks}I", buf, p + 8 * ndim)
+        specs.append((key, payload_bytes, dtype_name, tuple(shape), tuple(sums)))
+        pos = end
+    if pos + _CRC.size + n > header_bytes:
+        raise FormatError("header checksum overflows the header")
+    (stored_crc,) = _CRC.unpack_from(buf, pos)
+    if zlib.crc32(buf[:pos]) != stored_crc:
+        raise FormatError("header checksum mismatch")
+    offsets = item_offsets([ItemSpec(k, b, d, s) for k, b, d, s, _ in specs], header_bytes)
+    items = tuple(Item(k, b, d, s, sums, off) for (k, b, d, s, sums), off in zip(specs, offsets))
+    header = FileHeader(seq, chunk_bytes, algo, items)
     if header.header_bytes != header_bytes:
         raise FormatError(f"header length field {header_bytes} != computed {header.header_bytes}")
+    live_at = pos + _CRC.size
+    return header, tuple(b == LIVE for b in bytes(buf[live_at: live_at + n]))
+
+
+def build_header(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec],
+                 checksums: Sequence[Sequence[int]]) -> FileHeader:
+    """The header of a file about to be completed: specs in file order with their chunk checksums."""
+    liveness_offset = _body_bytes(specs, chunk_bytes) + _CRC.size
+    header_bytes = align_up(liveness_offset + len(specs))
+    offsets = item_offsets(specs, header_bytes)
+    items = []
+    for spec, sums, offset in zip(specs, checksums, offsets):
+        item = Item(spec.key, spec.payload_bytes, spec.dtype_name, spec.shape, tuple(sums), offset)
+        item.__dict__["record"] = spec.record  # already encoded (cached_property storage)
+        items.append(item)
+    header = FileHeader(seq, chunk_bytes, algo, tuple(items))
+    header.__dict__.update(liveness_offset=liveness_offset, header_bytes=header_bytes)  # cached_property storage
     return header

@@ -1,45 +1,97 @@
-"""The in-memory index of published objects and its warm-restart rebuild from the directories.
+"""The in-memory index of published items and its warm-restart rebuild from the roots.
 
 The index is the single source of truth for what the store serves: a key is readable only once its
 file was renamed into place and its entry published. Entries keep publication order (oldest first)
-for the default eviction order. Rebuild trusts nothing: temp files are torn writes and are deleted;
-a final file is kept only if its header decodes, names the key its file name encodes, and its size
-matches the header. Payload checksums are verified on every read, so a file with a valid header but
-torn payload (possible after power loss, see docs/storage.md) becomes a miss when first read.
+for the default eviction order. Bytes are accounted per file: a file counts in full while at least
+one of its items is indexed (a pack's bytes are freed with its last item).
+
+Rebuild trusts nothing it did not write and touches nothing else: it only looks at names of the
+store's scheme inside the fan-out directories of roots the store owns (see ownership.py). Temp files
+are torn writes and are deleted; a final file is kept only if its header decodes, its name matches
+its content (the key of a single object, the sequence number of a pack) and its size matches the
+header. When two files hold the same key, the higher sequence number (the later write) wins and the
+other copy is deleted (a single object) or marked deleted in its pack. Payload checksums are verified
+on every read, so a file with a valid header but torn payload (possible after power loss, see
+docs/storage.md) becomes a miss when first read.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import stat
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Iterator
 
-from histate.storage.format import ALIGN_BYTES, FormatError, Header, decode_header, header_bytes_from_prefix
-from histate.storage.layout import FINAL_SUFFIX, Layout, encode_key, is_final_name, is_temp_name
+from histate.storage.format import (ALIGN_BYTES, FileHeader, FormatError, Item, align_up, decode_header, encode_header,
+                                    header_bytes_from_prefix)
+from histate.storage.layout import Layout, Location, OBJECT_SUFFIX, classify_name, encode_key, pack_stem, PACK_SUFFIX
+from histate.storage.ownership import MARKER_NAME, OwnedRoot, StoreDirectoryError, remove_file
+from histate.storage.results import IoFault
 
+log = logging.getLogger(__name__)
 _generations = itertools.count(1)
 
 
-@dataclass(frozen=True)
-class Entry:
-    key: str
+@dataclass(eq=False)
+class StoredFile:
+    """One published file and which of its items are still indexed."""
+
+    loc: Location
     path: str
-    header: Header
-    published_s: float
-    generation: int  # identity of this publication: guards unlinks against a newer file at the same path
+    header: FileHeader
+    live: set[int] = field(default_factory=set)
 
     @property
     def file_bytes(self) -> int:
         return self.header.file_bytes
 
+    @property
+    def is_pack(self) -> bool:
+        return self.loc.name.endswith(PACK_SUFFIX)
 
-def new_entry(key: str, path: str, header: Header, published_s: float) -> Entry:
-    return Entry(key, path, header, published_s, next(_generations))
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    file: StoredFile
+    index: int  # item index within the file
+    published_s: float
+    generation: int  # identity of this publication: guards removals against a newer copy
+
+    @property
+    def header(self) -> FileHeader:
+        return self.file.header
+
+    @property
+    def item(self) -> Item:
+        return self.file.header.items[self.index]
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+    @property
+    def offset(self) -> int:
+        return self.item.offset
+
+    @property
+    def seq(self) -> int:
+        return self.file.header.seq
+
+    @property
+    def file_bytes(self) -> int:
+        """This item's share of the disk: the whole file for a single object, the padded payload in a pack."""
+        return self.item.padded_bytes if self.file.is_pack else self.file.file_bytes
+
+
+def new_entry(key: str, file: StoredFile, index: int, published_s: float) -> Entry:
+    return Entry(key, file, index, published_s, next(_generations))
 
 
 class Index:
-    """Published entries plus the byte total they occupy. Not thread-safe: the store locks around it."""
+    """Published entries plus the bytes of the files they live in. Not thread-safe: the store locks."""
 
     def __init__(self) -> None:
         self._entries: OrderedDict[str, Entry] = OrderedDict()
@@ -55,12 +107,14 @@ class Index:
         return self._entries.get(key)
 
     def publish(self, entry: Entry) -> Entry | None:
-        """Insert or replace; returns the replaced entry. The entry becomes the newest."""
+        """Insert or replace; returns the replaced entry (its file may now be dead). Newest last."""
         old = self._entries.pop(entry.key, None)
         if old is not None:
-            self.used_bytes -= old.file_bytes
+            self._drop_item(old)
+        if not entry.file.live:
+            self.used_bytes += entry.file.file_bytes
+        entry.file.live.add(entry.index)
         self._entries[entry.key] = entry
-        self.used_bytes += entry.file_bytes
         return old
 
     def remove(self, key: str, generation: int | None = None) -> Entry | None:
@@ -69,8 +123,16 @@ class Index:
         if entry is None or (generation is not None and entry.generation != generation):
             return None
         del self._entries[key]
-        self.used_bytes -= entry.file_bytes
+        self._drop_item(entry)
         return entry
+
+    def _drop_item(self, entry: Entry) -> None:
+        entry.file.live.discard(entry.index)
+        if not entry.file.live:
+            self.used_bytes -= entry.file.file_bytes
+
+    def entries_of(self, file: StoredFile) -> list[Entry]:
+        return [self._entries[file.header.items[i].key] for i in sorted(file.live)]
 
     def oldest_first(self) -> Iterator[Entry]:
         return iter(list(self._entries.values()))
@@ -79,83 +141,163 @@ class Index:
         return list(self._entries)
 
 
-def read_header_file(path: str) -> Header:
-    """Decode the header of `path` with plain buffered reads (used at rebuild, before any backend)."""
-    with open(path, "rb", buffering=0) as fh:
-        prefix = fh.read(ALIGN_BYTES)
+def _read_header(dir_fd: int, name: str) -> tuple[FileHeader, tuple[bool, ...], os.stat_result]:
+    """Header, liveness and stat of a candidate file (non-blocking open: a FIFO is never waited on)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError("not a regular file")
+        prefix = os.pread(fd, ALIGN_BYTES, 0)
         header_bytes = header_bytes_from_prefix(prefix)
-        rest = fh.read(header_bytes - len(prefix)) if header_bytes > len(prefix) else b""
-    return decode_header(prefix + rest)
+        rest = os.pread(fd, header_bytes - len(prefix), len(prefix)) if header_bytes > len(prefix) else b""
+    finally:
+        os.close(fd)
+    header, live = decode_header(prefix + rest)
+    return header, live, st
+
+
+def write_liveness(dir_fd: int, name: str, header: FileHeader, live: Collection[int]) -> None:
+    """Durably record which items of a pack are live: the header blocks holding the liveness bytes are
+    re-encoded from `header` and written whole (no read-modify-write of the block)."""
+    first = header.liveness_offset // ALIGN_BYTES * ALIGN_BYTES
+    stop = align_up(header.liveness_offset + len(header.items))
+    block = encode_header(header, [i in live for i in range(len(header.items))])[first:stop]
+    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{name} is not a regular file")
+        os.pwrite(fd, block, first)
+    finally:
+        os.close(fd)
 
 
 @dataclass
 class RebuildReport:
-    kept: int = 0
-    discarded: int = 0  # temp files, corrupt/short/misnamed files, duplicates
-    reasons: dict[str, int] | None = None
+    kept: int = 0  # items indexed
+    discarded: int = 0  # files removed: temp files, corrupt/short/misnamed files, losing duplicates
+    foreign: int = 0  # entries that are not the store's: left alone
+    reasons: dict[str, int] = field(default_factory=dict)
+    max_seq: int = 0
 
-    def discard(self, path: str, reason: str) -> None:
+    def count(self, reason: str) -> None:
         self.discarded += 1
-        self.reasons = self.reasons or {}
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
-def _candidate_files(root: str) -> Iterator[os.DirEntry]:
-    if not os.path.isdir(root):
+@dataclass
+class _Found:
+    file: StoredFile
+    live: list[bool]
+    mtime_s: float
+    dir_fd: int
+    had_live: bool = True
+
+
+def _scan_fanout(root_idx: int, root: OwnedRoot, fanout: str, layout: Layout, report: RebuildReport,
+                 found: list[_Found], fds: list[int]) -> Iterator[None]:
+    try:
+        dir_fd = root.open_fanout(fanout, create=False)
+    except IoFault:  # vanished or replaced since it was listed: nothing of ours to index there
+        report.foreign += 1
         return
-    with os.scandir(root) as top:
-        subdirs = []
-        for de in top:
-            if de.is_dir(follow_symlinks=False):
-                subdirs.append(de.path)
-            elif de.is_file(follow_symlinks=False):
-                yield de
-    for d in sorted(subdirs):
-        with os.scandir(d) as it:
-            yield from (de for de in it if de.is_file(follow_symlinks=False))
-
-
-def rebuild(layout: Layout, now_s: float, progress: Callable[[Iterator], Iterator] | None = None
-            ) -> tuple[Index, RebuildReport]:
-    """Scan every root, delete torn/corrupt files, and index the rest oldest-mtime first."""
-    report = RebuildReport()
-    found: dict[str, tuple[float, str, Header]] = {}
-    files = (de for root in layout.roots for de in _candidate_files(root))
-    for de in (progress(files) if progress else files):
-        name = de.name
-        if is_temp_name(name):
-            report.discard(de.path, "temp")
+    fds.append(dir_fd)
+    with os.scandir(dir_fd) as it:
+        entries = sorted(it, key=lambda de: de.name)
+    for de in entries:
+        yield
+        kind = classify_name(de.name)
+        if de.name == MARKER_NAME:
+            raise StoreDirectoryError(f"{root.path}/{fanout} holds another store's {MARKER_NAME}: nested stores "
+                                      f"are refused")
+        if kind is None or not de.is_file(follow_symlinks=False):
+            report.foreign += 1
             continue
-        if not is_final_name(name):
-            continue  # LOCK and foreign files are not ours to judge
+        if kind == "temp":
+            remove_file(dir_fd, de.name)
+            report.count("temp")
+            continue
         try:
-            header = read_header_file(de.path)
-            st = os.stat(de.path)
+            header, live, st = _read_header(dir_fd, de.name)
         except FormatError:
-            report.discard(de.path, "corrupt")
+            _discard(dir_fd, de.name, report, "corrupt")
             continue
         except OSError:
-            report.discard(de.path, "unreadable")
+            _discard(dir_fd, de.name, report, "unreadable")
             continue
-        if encode_key(header.key) + FINAL_SUFFIX != name:
-            report.discard(de.path, "misnamed")
+        if kind == "object":
+            named_right = len(header.items) == 1 and encode_key(header.items[0].key) + OBJECT_SUFFIX == de.name
+        else:
+            named_right = pack_stem(header.seq) + PACK_SUFFIX == de.name
+        if not named_right:
+            _discard(dir_fd, de.name, report, "misnamed")
             continue
         if st.st_size != header.file_bytes:
-            report.discard(de.path, "short" if st.st_size < header.file_bytes else "corrupt")
+            _discard(dir_fd, de.name, report, "short" if st.st_size < header.file_bytes else "corrupt")
             continue
-        prev = found.get(header.key)
-        if prev is not None:  # same key under two roots (root list changed): keep the expected location
-            keep_new = layout.is_expected_path(header.key, de.path)
-            report.discard(prev[1] if keep_new else de.path, "duplicate")
-            if not keep_new:
-                continue
-        found[header.key] = (st.st_mtime, de.path, header)
-    index = Index()
-    for key, (_mtime, path, header) in sorted(found.items(), key=lambda kv: kv[1][0]):
-        index.publish(new_entry(key, path, header, now_s))
-        report.kept += 1
+        report.max_seq = max(report.max_seq, header.seq)
+        loc = Location(root_idx, fanout, de.name)
+        found.append(_Found(StoredFile(loc, layout.path(loc), header), list(live), st.st_mtime, dir_fd, any(live)))
+
+
+def _discard(dir_fd: int, name: str, report: RebuildReport, reason: str) -> None:
+    report.count(reason)
+    try:
+        remove_file(dir_fd, name)
+    except OSError as exc:
+        log.warning("histate.storage: cannot remove %s file %s: %s", reason, name, exc)
+
+
+def rebuild(layout: Layout, roots: list[OwnedRoot], now_s: float,
+            progress: Callable[[Iterator], Iterator] | None = None) -> tuple[Index, RebuildReport]:
+    """Scan every owned root, drop torn/corrupt files and losing duplicates, index the rest oldest first."""
+    report = RebuildReport()
+    found: list[_Found] = []
+    fds: list[int] = []
+    try:
+        def walk() -> Iterator[None]:
+            for i, root in enumerate(roots):
+                fanouts, foreign = root.fanout_dirs()
+                report.foreign += len(foreign)
+                for fanout in fanouts:
+                    yield from _scan_fanout(i, root, fanout, layout, report, found, fds)
+
+        for _ in (progress(walk()) if progress else walk()):
+            pass
+        winners = _resolve_duplicates(found, report)
+        index = Index()
+        for f in sorted(found, key=lambda f: (f.mtime_s, f.file.header.seq)):
+            for i, item in enumerate(f.file.header.items):
+                if f.live[i] and winners.get(item.key) is f:
+                    index.publish(new_entry(item.key, f.file, i, now_s))
+                    report.kept += 1
+            if not f.file.live:  # nothing of it survived: the file goes
+                _discard(f.dir_fd, f.file.loc.name, report, "duplicate" if f.had_live else "dead")
+    finally:
+        for fd in fds:
+            os.close(fd)
     return index, report
+
+
+def _resolve_duplicates(found: list[_Found], report: RebuildReport) -> dict[str, _Found]:
+    """Key -> the file holding its latest (highest-seq) live copy; older live copies are deleted on disk."""
+    winners: dict[str, _Found] = {}
+    for f in sorted(found, key=lambda f: f.file.header.seq):
+        for i, item in enumerate(f.file.header.items):
+            if not f.live[i]:
+                continue
+            prev = winners.get(item.key)
+            if prev is not None:
+                _kill_copy(prev, item.key, report)
+            winners[item.key] = f
+    return winners
+
+
+def _kill_copy(f: _Found, key: str, report: RebuildReport) -> None:
+    i = next(i for i, item in enumerate(f.file.header.items) if item.key == key and f.live[i])
+    f.live[i] = False
+    if f.file.is_pack and any(f.live):
+        try:
+            write_liveness(f.dir_fd, f.file.loc.name, f.file.header, [j for j, alive in enumerate(f.live) if alive])
+        except OSError as exc:
+            log.warning("histate.storage: cannot mark %r deleted in %s: %s", key, f.file.path, exc)

@@ -7,13 +7,16 @@ errors identically. A segment is ``(file_offset, host_view)`` with `host_view` a
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import stat
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from histate.storage.buffers import address_of, aligned_empty
+from histate.storage.buffers import aligned_empty
 from histate.storage.format import ALIGN_BYTES
 from histate.storage.results import Fault, IoFault, fault_from_oserror
 
@@ -30,16 +33,15 @@ class OpenFile:
     token: object = None  # backend registration (NIXL FILE registration)
 
 
-def probe_direct_io(directory: str) -> bool:
-    """Whether files in `directory` accept O_DIRECT (tmpfs before Linux 6.6, some FUSE/overlay do not)."""
+def probe_direct_io(dir_fd: int, name: str) -> bool:
+    """Whether files in directory `dir_fd` accept O_DIRECT (tmpfs before Linux 6.6, some FUSE/overlay do
+    not). Creates, writes and removes the regular file `name` (a temp name of the store's scheme)."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f".direct-probe.tmp-{os.getpid()}")
     buf = aligned_empty(ALIGN_BYTES)
     buf[:] = 0
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT, 0o644, dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -48,53 +50,65 @@ def probe_direct_io(directory: str) -> bool:
         return False
     finally:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
 
 
 class IoSession:
     """Base class: file handling common to all backends. One session is used by one thread."""
 
     name = "base"
+    synchronous = False  # True when submit() does the I/O before returning (no overlap with this thread)
 
     def __init__(self, preallocate: bool = True):
         self.preallocate = preallocate
         self._staging: dict[str, np.ndarray] = {}
 
     # --- files -------------------------------------------------------------------------------
-    def open_read(self, path: str, direct: bool) -> OpenFile:
-        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    def open_read(self, dir_fd: int, name: str, direct: bool, label: str) -> OpenFile:
+        """Open `name` in directory `dir_fd` for reading. Opened O_NONBLOCK + O_NOFOLLOW and checked to
+        be a regular file before anything else: a FIFO, device or symlink planted at an object's name is
+        a fault, never a hang. O_DIRECT is switched on afterwards (open() of a FIFO rejects it)."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags)
+            fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=dir_fd)
         except OSError as exc:
-            raise fault_from_oserror(exc, f"open {path}") from None
-        f = OpenFile(path, fd, os.fstat(fd).st_size, direct, writable=False)
+            if exc.errno == errno.ELOOP:
+                raise IoFault(Fault.CORRUPT, f"{label} is a symlink, not a file the store wrote") from None
+            raise fault_from_oserror(exc, f"open {label}") from None
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IoFault(Fault.CORRUPT, f"{label} is not a regular file (mode {st.st_mode:#o})")
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | (os.O_DIRECT if direct else 0))  # O_NONBLOCK off
+            f = OpenFile(label, fd, st.st_size, direct, writable=False)
             self._attach(f)
+        except OSError as exc:
+            os.close(fd)
+            raise fault_from_oserror(exc, f"open {label}") from None
         except BaseException:
             os.close(fd)
             raise
         return f
 
-    def create(self, path: str, file_bytes: int, direct: bool) -> OpenFile:
-        """Create a new (temp) file sized `file_bytes`; preallocation surfaces ENOSPC before any I/O."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
+    def create(self, dir_fd: int, name: str, file_bytes: int, direct: bool, label: str) -> OpenFile:
+        """Create the new temp file `name` sized `file_bytes`; preallocation surfaces ENOSPC before any I/O."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
         except OSError as exc:
-            raise fault_from_oserror(exc, f"create {path}") from None
+            raise fault_from_oserror(exc, f"create {label}") from None
         try:
             if self.preallocate and file_bytes:
                 os.posix_fallocate(fd, 0, file_bytes)
-        except OSError as exc:
-            os.close(fd)
-            os.unlink(path)  # ours: created O_EXCL just above
-            raise fault_from_oserror(exc, f"preallocate {file_bytes} bytes for {path}") from None
-        f = OpenFile(path, fd, file_bytes, direct, writable=True)
-        try:
+            elif file_bytes and not direct:
+                os.ftruncate(fd, file_bytes)  # same file size in every mode
+            f = OpenFile(label, fd, file_bytes, direct, writable=True)
             self._attach(f)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)  # ours: created O_EXCL just above
+            if isinstance(exc, OSError):
+                raise fault_from_oserror(exc, f"preallocate {file_bytes} bytes for {label}") from None
             raise
         return f
 
@@ -148,13 +162,3 @@ class IoSession:
         for buf in self._staging.values():
             self._unregister_staging(buf)
         self._staging.clear()
-
-
-def check_direct_segments(f: OpenFile, segments: Sequence[Segment]) -> None:
-    """O_DIRECT preconditions, checked before the kernel (or NIXL) fails with a bare EINVAL."""
-    if not f.direct:
-        return
-    for offset, view in segments:
-        if offset % ALIGN_BYTES or view.size % ALIGN_BYTES or address_of(view) % ALIGN_BYTES:
-            raise ValueError(f"unaligned O_DIRECT segment: offset {offset}, {view.size} bytes, "
-                             f"address {address_of(view):#x}")

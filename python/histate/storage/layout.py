@@ -1,27 +1,39 @@
-"""Where a key lives on disk: key validation, file-name encoding, directory fan-out, temp names.
+"""Where things live inside a store root: key validation, file names, fan-out, and the naming scheme.
 
-Every key maps to exactly one final path ``<root>/<fanout>/<encoded>.hs``. Encoding keeps
-``[A-Za-z0-9_-]`` and percent-encodes every other UTF-8 byte (``.``, ``/``, ``%``, NUL included), so a
-name never contains a separator, never starts with a dot and never escapes its directory. Keys whose
-encoding would exceed the file-name limit get a SHA-256 name instead; the key stored in the header
-disambiguates. Temp files share the directory (rename stays atomic) and carry a ``.tmp-`` marker that
-the index rebuild deletes on sight.
+A single object lives at ``<root>/<fanout>/<encoded key>.hs`` and a pack of several items at
+``<root>/<fanout>/<seq as 16 hex digits>.hsp``; `fanout` is one of 256 two-hex-digit directories.
+Key encoding keeps ``[A-Za-z0-9_-]`` and percent-encodes every other UTF-8 byte (``.``, ``/``, ``%``,
+NUL included), so a name never contains a separator, never starts with a dot and never escapes its
+directory; keys whose encoding would exceed the file-name limit get a SHA-256 name (the key stored in
+the header disambiguates). Temp files share the final file's directory (rename stays atomic) and are
+named ``<stem>.tmp-<pid>-<n>``. The scheme is exact (`classify_name`): the store reads, indexes or
+removes only names it matches, and only inside fan-out directories of a root it owns.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
 import os
+import re
 import zlib
+from dataclasses import dataclass
 
 from histate.storage.format import MAX_KEY_BYTES
 
-FINAL_SUFFIX = ".hs"
+OBJECT_SUFFIX = ".hs"
+PACK_SUFFIX = ".hsp"
 TEMP_MARKER = ".tmp-"
-LOCK_NAME = "LOCK"
 FANOUT_DIRS = 256
 _MAX_ENCODED_CHARS = 200  # well under NAME_MAX (255) with suffixes
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_OBJECT_STEM = r"(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+|~[0-9a-f]{64}"
+_PACK_STEM = r"[0-9a-f]{16}"
+_NAME_KINDS = (
+    ("object", re.compile(rf"(?:{_OBJECT_STEM}){re.escape(OBJECT_SUFFIX)}")),
+    ("pack", re.compile(rf"{_PACK_STEM}{re.escape(PACK_SUFFIX)}")),
+    ("temp", re.compile(rf"(?:{_OBJECT_STEM}){re.escape(TEMP_MARKER)}[0-9]+-[0-9]+")),
+)
+_FANOUT_NAME = re.compile(r"[0-9a-f]{2}")
 _temp_counter = itertools.count()
 
 
@@ -54,45 +66,58 @@ def encode_key(key: str) -> str:
     return out
 
 
-def _key_hash(key: str) -> int:
-    return zlib.crc32(key.encode())
+def pack_stem(seq: int) -> str:
+    return f"{seq:016x}"
+
+
+def classify_name(name: str) -> str | None:
+    """'object' | 'pack' | 'temp' for names of the store's scheme, None for anything else."""
+    for kind, pattern in _NAME_KINDS:
+        if pattern.fullmatch(name):
+            return kind
+    return None
+
+
+def is_fanout_name(name: str) -> bool:
+    return _FANOUT_NAME.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class Location:
+    """A file of the store: root index, fan-out directory name, file name (all relative)."""
+
+    root: int
+    fanout: str
+    name: str
+
+    def temp(self) -> "Location":
+        """A fresh temp name next to this one (pid + counter: unique within the directory)."""
+        stem = self.name.rsplit(".", 1)[0]
+        return Location(self.root, self.fanout, f"{stem}{TEMP_MARKER}{os.getpid()}-{next(_temp_counter)}")
 
 
 class Layout:
-    """Maps keys to paths under one or more root directories (spread by a stable key hash)."""
+    """Maps keys (and pack sequence numbers) to locations under one or more roots."""
 
     def __init__(self, roots: list[str]):
         if not roots:
             raise ValueError("at least one storage directory is required")
         self.roots = [os.path.abspath(r) for r in roots]
-        self._made: set[str] = set()
 
-    def dir_for(self, key: str) -> str:
-        h = _key_hash(key)
-        root = self.roots[(h >> 8) % len(self.roots)]
-        return os.path.join(root, f"{h & (FANOUT_DIRS - 1):02x}")
+    def object_location(self, key: str) -> Location:
+        h = zlib.crc32(key.encode())
+        return Location((h >> 8) % len(self.roots), f"{h & (FANOUT_DIRS - 1):02x}", encode_key(key) + OBJECT_SUFFIX)
+
+    def pack_location(self, seq: int) -> Location:
+        h = zlib.crc32(seq.to_bytes(8, "little"))
+        return Location(seq % len(self.roots), f"{h & (FANOUT_DIRS - 1):02x}", pack_stem(seq) + PACK_SUFFIX)
+
+    def path(self, loc: Location) -> str:
+        return os.path.join(self.roots[loc.root], loc.fanout, loc.name)
 
     def final_path(self, key: str) -> str:
-        return os.path.join(self.dir_for(key), encode_key(key) + FINAL_SUFFIX)
+        """Path of `key` stored as a single object (where `put` writes it)."""
+        return self.path(self.object_location(key))
 
-    def temp_path(self, key: str) -> str:
-        """A fresh temp name next to the final path (pid + counter: unique within the directory)."""
-        stem = encode_key(key)
-        return os.path.join(self.dir_for(key), f"{stem}{TEMP_MARKER}{os.getpid()}-{next(_temp_counter)}")
-
-    def ensure_dir(self, path: str) -> None:
-        d = os.path.dirname(path)
-        if d not in self._made:
-            os.makedirs(d, exist_ok=True)
-            self._made.add(d)
-
-    def is_expected_path(self, key: str, path: str) -> bool:
-        return os.path.abspath(path) == self.final_path(key)
-
-
-def is_temp_name(name: str) -> bool:
-    return TEMP_MARKER in name
-
-
-def is_final_name(name: str) -> bool:
-    return name.endswith(FINAL_SUFFIX) and not is_temp_name(name)
+    def dir_for(self, key: str) -> str:
+        return os.path.dirname(self.final_path(key))

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from histate.storage.buffers import address_of
-from histate.storage.io_base import IoSession, OpenFile, Segment, check_direct_segments
+from histate.storage.io_base import IoSession, OpenFile, Segment
 from histate.storage.results import Fault, IoFault
 
 _BACKEND = "POSIX"
@@ -97,7 +97,6 @@ class NixlSession(IoSession):
 
     # --- transfers ---------------------------------------------------------------------------
     def submit(self, f: OpenFile, op: str, segments: Sequence[Segment]) -> object:
-        check_direct_segments(f, segments)
         local, remote, fresh = [], [], []
         for offset, view in segments:
             addr = address_of(view)

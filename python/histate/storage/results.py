@@ -23,6 +23,9 @@ class Fault(str, enum.Enum):
     NO_CAPACITY = "no_capacity"  # put refused: the byte budget could not be freed
     BACKLOG_FULL = "backlog_full"  # put dropped: write backlog at its bound
     CANCELLED = "cancelled"  # put superseded by delete() or store close
+    SUPERSEDED = "superseded"  # put overtaken by a later put of the same key (later writes win)
+    OWNER_ERROR = "owner_error"  # put failed because on_capacity_needed / on_evict raised
+    UNSAFE_PATH = "unsafe_path"  # something the store did not create sits where it would write
 
 
 class IoFault(Exception):
@@ -94,9 +97,9 @@ class EvictionEvent:
     """One object left the store: what the owner's interval controller learns T_state from."""
 
     key: str
-    size_bytes: int  # bytes freed on disk (header + padded payload)
+    size_bytes: int  # on-disk bytes of the object (a packed page: its padded payload; see docs/storage.md)
     residence_s: float  # clock time since the object was published (or indexed at warm restart)
-    reason: str  # "capacity" | "delete" | "fault" | "replaced"
+    reason: str  # "capacity" | "delete" | "fault"
 
 
 @dataclass
@@ -114,8 +117,11 @@ class StoreStats:
     files_removed_on_fault: int = 0
     evictions: int = 0
     writes_delayed: int = 0  # submitter waited for backlog room
+    delete_failures: int = 0  # delete() could not remove the file (read-only, immutable): key kept
+    owner_errors: dict[str, int] = field(default_factory=dict)  # callback name -> exceptions it raised
     rebuild_kept: int = 0
-    rebuild_discarded: int = 0  # torn temp files + corrupt/short/foreign files at warm restart
+    rebuild_discarded: int = 0  # torn temp files + corrupt/short/misnamed/duplicate files at warm restart
+    rebuild_foreign: int = 0  # entries in the root that are not the store's (left alone)
 
     def count(self, table: dict[str, int], fault: Fault) -> None:
         table[fault.value] = table.get(fault.value, 0) + 1
@@ -124,4 +130,5 @@ class StoreStats:
         out = dict(self.__dict__)
         out["misses"] = dict(self.misses)
         out["put_failures"] = dict(self.put_failures)
+        out["owner_errors"] = dict(self.owner_errors)
         return out
