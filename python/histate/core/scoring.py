@@ -27,9 +27,11 @@ class ScoringContext:
     GPU). Empty: every eviction is charged its recompute (the paper's C)."""
     demotion_tier: tuple = ()
     """Per tier index: the tier index a unit evicted from it moves to, or -1 when it is dropped."""
+    attention_pair_tokens: float = 0.0
+    """One attention (query, key) pair in per-token FLOPs (CacheConfig.attention_pair_tokens)."""
 
     @classmethod
     def of(cls, config, terminal_prob: float, near_end_probs: tuple = (), restore_cost: tuple = (),
            demotion_tier: tuple = ()) -> "ScoringContext":
         return cls(config.tau_s, config.page_num_tokens, config.checkpoint_token_equiv, terminal_prob,
-                   near_end_probs, restore_cost, demotion_tier)
+                   near_end_probs, restore_cost, demotion_tier, config.attention_pair_tokens)
