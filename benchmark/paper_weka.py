@@ -1,26 +1,23 @@
-"""Paper §4.2 on the Weka Claude-Code sessions (../shared/traces/cc-traces-weka-042026), paper preset:
-Qwen3.5-9B, one H100, 45 GiB GPU pool, 96 GiB CPU, 150 GiB SSD, 24 live sessions, 125 sessions
-admitted in a seeded random order (the paper's 125-session Weka workload), think/tool gaps capped at
-60 s so that the replay lasts ~2.5 h of simulated time (the paper sized its workload for ~3 h; with
-the trace's own gaps, up to 40 min, the same 125 sessions take 26 h and the GPU is mostly idle).
-`--max-gap 0` replays the trace's own timing. Skips cleanly without the trace. Prints the comparison table and writes summary.json, requests.csv and plots to --out.
+"""Paper §4.2 on the Weka Claude-Code sessions (../shared/traces/cc-traces-weka-042026): `histate replay`
+with a workload preset (default `paper`: 125 sessions drawn from all roots, 110,000-token clip, gaps
+capped at 120 s; `paper-native`: the same at the model's 262,144-token context; docs/results.md,
+"Workload presets") on the paper's system (Qwen3.5-9B, one H100, 45 GiB GPU, 96 GiB CPU, 150 GiB SSD,
+24 live sessions), every policy on its own engine's scheduler (docs/policies.md), once per seed.
+Prints each seed's table, then the median [min, max] over seeds (benchmark/engine_fidelity.py), and
+writes summary.json, requests.csv and plots to --out/seedS. Skips cleanly without the trace.
 
-    .venv/bin/python benchmark/paper_weka.py [--seeds 0 1 2] [--max-gap 60] [--out out/paper_weka]
+    .venv/bin/python benchmark/paper_weka.py [--preset paper|paper-native] [--seeds 0 1 2] [--out out/paper_weka]
 """
 from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import sys
 from pathlib import Path
 
-from histate.core import available_policies
-from histate.sim.replay import ReplayConfig, replay_policies
-from histate.sim.report import build_summary, format_table, write_outputs
-
-METRICS = ("token_hit_rate", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "cohort_recovered_fraction")
-from histate.sim.traces import LoadOptions, load_weka
+from engine_fidelity import load, table
+from histate.cli import main as histate_main
+from histate.sim.presets import PRESETS
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "cc-traces-weka-042026" / "traces.jsonl.gz"
 
@@ -28,54 +25,28 @@ TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "cc-t
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--max-sessions", type=int, default=125, help="0 = every session")
-    ap.add_argument("--policies", default=",".join(available_policies()))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
-                    help="admission-order seeds; with several, medians and ranges over seeds are printed too")
-    ap.add_argument("--max-gap", type=float, default=60.0, help="cap on think/tool gaps, s (0 = none)")
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="paper")
+    ap.add_argument("--policies", help="comma-separated (default: all)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="admission-order seeds")
+    ap.add_argument("--engine", choices=("sglang", "vllm"), help="what-if: one engine for every policy")
     ap.add_argument("--out", type=Path, default=Path("out/paper_weka"))
     args = ap.parse_args()
     if not args.trace.exists():
         print(f"SKIP: {args.trace} not found (the Weka trace lives in ../shared, which this checkout lacks)")
         return 0
-    workload = load_weka(args.trace, LoadOptions(progress=True, max_gap_s=args.max_gap or None))
-    s = workload.stats
-    print(f"{workload.name}: {s.sessions} sessions, {s.requests} requests kept "
-          f"({s.requests_over_context} dropped by the 131072-token max context)")
-    per_seed = []
     for seed in args.seeds:
-        config = ReplayConfig(max_sessions=args.max_sessions or None, seed=seed)
-        runs = replay_policies(workload, args.policies.split(","), config)
-        summary = build_summary(runs)
-        per_seed.append(summary)
         print(f"\n== seed {seed}")
-        print(format_table(summary))
-        for name, run in runs.items():
-            n = len(run.records)
-            print(f"  {name}: {n} requests in {run.wall_s:.1f} s ({n / run.wall_s:,.0f} req/s)")
-        span_h = max(r.completion_s for r in next(iter(runs.values())).records) / 3600
-        print(f"simulated replay duration {span_h:.1f} h; gaps capped at {args.max_gap or 'no'} s")
-        write_outputs(runs, summary, args.out / f"seed{seed}")
-    if len(per_seed) > 1:
-        print_over_seeds(per_seed)
+        argv = ["replay", "--trace", str(args.trace), "--preset", args.preset, "--seed", str(seed),
+                "--out", str(args.out / f"seed{seed}")]
+        argv += ["--policies", args.policies] if args.policies else []
+        argv += ["--engine", args.engine] if args.engine else []
+        if histate_main(argv) != 0:
+            return 1
+    if len(args.seeds) > 1:
+        print()
+        print(table(load(args.out, args.seeds), f"`--preset {args.preset}`", counters=True))
     print(f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     return 0
-
-
-def print_over_seeds(per_seed: list) -> None:
-    """Median [min, max] over seeds of each metric, and of the speedups vs vllm-marconi."""
-    print(f"\n== over {len(per_seed)} seeds: median [min, max]")
-    names = list(per_seed[0]["policies"])
-    for name in names:
-        cells = []
-        for metric in METRICS + ("p95_x", "p99_x"):
-            if metric.endswith("_x"):
-                key = "ttft_p95_s" if metric == "p95_x" else "ttft_p99_s"
-                vals = sorted(s["speedup_vs_vllm-marconi"][name][key] for s in per_seed)
-            else:
-                vals = sorted(s["policies"][name][metric] for s in per_seed)
-            cells.append(f"{metric} {statistics.median(vals):.3f} [{vals[0]:.3f}, {vals[-1]:.3f}]")
-        print(f"{name:<17} " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--intervals", type=_intervals, default=DEFAULT_INTERVALS_PAGES,
                      help="supported checkpoint intervals in 64-token pages, comma-separated")
     sim.add_argument("--calibration", type=Path, help="CSV of measured prefill latency (num_tokens,context_num_tokens,latency_s) replacing the roofline")
+    sim.add_argument("--engine", choices=("sglang", "vllm"),
+                     help="serve every policy with this engine's scheduler and memory admission (what-if; "
+                          "default: each policy's own, docs/policies.md)")
     out = r.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("out/replay"), help="directory for summary.json, requests.csv and plots (out/replay)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -299,7 +302,7 @@ def build_config(args, settings: dict, page_num_tokens: int):
                           cpu_cache_bytes=args.cpu_gib, ssd_cache_bytes=args.ssd_gib,
                           max_live_sessions=args.max_live_sessions, max_sessions=settings["max_sessions"],
                           session_sampling=settings["session_sampling"], stagger_s=settings["stagger_s"],
-                          seed=args.seed, tau_s=args.tau, intervals_pages=args.intervals)
+                          seed=args.seed, tau_s=args.tau, intervals_pages=args.intervals, engine_name=args.engine)
     if args.h2d_gbps is not None or args.ssd_gbps is not None:
         config = replace(config, hardware_spec=hardware.with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps))
     if args.calibration:

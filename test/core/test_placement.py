@@ -58,17 +58,44 @@ def test_write_through_keeps_copies_and_sheds_the_gpu_copy_on_eviction():
 
 
 def test_static_partition_evicts_states_within_their_share_only():
+    """SGLang's state LRU: an internal node loses its state alone, a leaf goes whole (KV included;
+    unified_cache/components/mamba.py:415-421), although the KV pool has room."""
     cfg = tiny_config(gpu_pages=40, state_fraction={Tier.GPU: 0.2})  # 8 pages = 2 states, 32 pages of KV
     cache = HybridPrefixCache(cfg, make_policy("sglang-hicache"))
     pools = cache.ledger.capacity_bytes
     assert pools[(Tier.GPU, ItemKind.CHECKPOINT)] == 8 * KV_PAGE_BYTES
     assert pools[(Tier.GPU, ItemKind.KV)] == 32 * KV_PAGE_BYTES
+    serve(cache, A[:3], 0.0, [3])
+    serve(cache, A[:6], 1.0, [6])  # two states: A[:3] is now internal
+    serve(cache, A[:6], 2.0, [6])  # a hit refreshes the matched state only (mamba.py:127-149)
+    serve(cache, B[:3], 3.0, [3])  # the oldest state (internal A[:3]) goes alone: its KV stays
+    cache.check_invariants()
+    assert cache.match(A[:3]).num_kv_pages == 3 and cache.match(A[:3]).num_reused_pages == 0
+    assert cache.match(A[:6]).num_reused_pages == 6
+    serve(cache, [("c", 0), ("c", 1)], 4.0, [2])  # the next oldest (leaf A[:6]) takes its KV along
+    cache.check_invariants()
+    assert cache.match(A[:6]).num_kv_pages == 0
+    assert cache.ledger.used_bytes[(Tier.GPU, ItemKind.CHECKPOINT)] == 2 * CKPT_BYTES
+    assert cache.ledger.used_bytes[(Tier.GPU, ItemKind.KV)] == 5 * KV_PAGE_BYTES
+
+
+def test_sglang_state_eviction_of_a_device_leaf_sheds_its_kv_to_host():
+    cfg = tiny_config(gpu_pages=40, cpu_pages=400, state_fraction={Tier.GPU: 0.2, Tier.CPU: 0.5})
+    cache = HybridPrefixCache(cfg, make_policy("sglang-hicache"))
     for i, keys in enumerate((A[:3], B[:3], [("c", 0), ("c", 1)])):
         serve(cache, keys, float(i), [len(keys)])
     cache.check_invariants()
-    # the third state evicted the oldest state (A's) although KV had room: KV of A stays, its state goes
-    assert cache.match(A[:3]).num_kv_pages == 3 and cache.match(A[:3]).num_reused_pages == 0
-    assert cache.ledger.used_bytes[(Tier.GPU, ItemKind.CHECKPOINT)] == 2 * CKPT_BYTES
+    assert tiers_of(cache, A[:3]) == (1 << Tier.CPU, 1 << Tier.CPU)  # KV left the GPU with the state
+    assert cache.match(A[:3]).num_reused_pages == 3  # still a host hit
+
+
+def test_sglang_l3_is_one_pool_for_kv_and_states():
+    cfg = tiny_config(gpu_pages=40, cpu_pages=40, ssd_pages=100)
+    cache = HybridPrefixCache(cfg, make_policy("sglang-hicache"))
+    pools = cache.ledger.capacity_bytes
+    assert pools[(Tier.SSD, None)] == 100 * KV_PAGE_BYTES
+    assert cache.ledger.pool_of(Tier.SSD, ItemKind.KV) == cache.ledger.pool_of(Tier.SSD, ItemKind.CHECKPOINT)
+    assert (Tier.CPU, ItemKind.KV) in pools and (Tier.CPU, ItemKind.CHECKPOINT) in pools
 
 
 def test_unlimited_reuses_every_page_of_the_longest_cached_prefix():

@@ -19,9 +19,11 @@ KEYS = st.lists(st.integers(0, 3), min_size=1, max_size=24)
 
 def machine_for(policy_name: str):
     class CacheMachine(RuleBasedStateMachine):
-        @initialize(gpu=st.integers(8, 40), cpu=st.integers(0, 40), ssd=st.integers(0, 80))
-        def build(self, gpu, cpu, ssd):
-            self.cache = make_cache(policy_name, tiny_config(gpu, cpu, ssd, tau_s=5.0))
+        @initialize(gpu=st.integers(8, 40), cpu=st.integers(0, 40), ssd=st.integers(0, 80),
+                    block=st.sampled_from([1, 3]))
+        def build(self, gpu, cpu, ssd, block):
+            # block > 1 matters to block-granular policies only (vLLM's whole-block hits)
+            self.cache = make_cache(policy_name, tiny_config(gpu, cpu, ssd, tau_s=5.0, block_pages=block))
             self.now = 0.0
             self.leases = []
             self.reservations = []  # (bytes, tier) held by simulated running requests
@@ -41,13 +43,16 @@ def machine_for(policy_name: str):
             self.leases.append(lease)
 
         @precondition(lambda self: self.leases)
-        @rule(index=st.integers(0, 7), use_plan=st.booleans(), extra=st.lists(st.integers(1, 24), max_size=3))
-        def finish(self, index, use_plan, extra):
+        @rule(index=st.integers(0, 7), use_plan=st.booleans(), extra=st.lists(st.integers(1, 24), max_size=3),
+              output=st.lists(st.integers(0, 3), max_size=6), steps=st.lists(st.integers(1, 24), max_size=3))
+        def finish(self, index, use_plan, extra, output, steps):
+            """Finish with the output's pages appended (engines cache decode KV and states)."""
             lease = self.leases.pop(index % len(self.leases))
-            positions = self.cache.plan_checkpoints(lease) if use_plan else [len(lease.page_keys)]
-            self.cache.finish_request(lease, None, self.tick(), list(positions) + extra)
+            keys = list(lease.page_keys) + output
+            positions = (self.cache.plan_checkpoints(lease, step_end_pages=sorted(steps), output_end_pages=len(keys))
+                         if use_plan else [len(keys)])
+            self.cache.finish_request(lease, keys, self.tick(), list(positions) + extra)
             if policy_name == "unlimited":
-                keys = lease.page_keys
                 self.inserted.update(tuple(keys[:n]) for n in range(len(keys) + 1))
 
         @precondition(lambda self: self.leases)

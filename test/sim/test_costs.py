@@ -151,3 +151,12 @@ def test_ratio_anchor_recompute_vs_restore():
     host = load_time_s(QWEN35_9B.checkpoint_size_bytes, CPU_TIER, H200_SXM)
     assert 25e-3 < recompute < 40e-3 and 30 < recompute / host < 50
     assert math.isclose(H100_SXM.peak_flops, H200_SXM.peak_flops)
+
+
+def test_vllm_hybrid_blocks_match_the_paper():
+    """Paper §4.1: 2,560 blocks of 576 tokens in 45 GiB; a Qwen3.5-9B state takes 3 blocks (54 MiB)."""
+    from histate.sim.costs import vllm_hybrid_blocks
+    blocks = vllm_hybrid_blocks(QWEN35_9B)
+    assert (blocks.block_num_tokens, blocks.state_num_blocks) == (576, 3)
+    assert blocks.state_size_bytes == 54 * 2**20
+    assert 45 * 2**30 // blocks.block_size_bytes == 2560

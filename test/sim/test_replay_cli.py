@@ -163,3 +163,17 @@ def test_table_and_csv_carry_non_first_percentiles(tmp_path, capsys):
     header = rows[0].split(",")
     index = header.index("session_index")
     assert sorted(int(r.split(",")[index]) for r in rows[1:] if r.startswith("histate,")) == [0, 0, 1, 1, 2]
+
+
+def test_engine_what_if_serves_every_policy_with_one_scheduler(tmp_path, capsys):
+    trace = str(small_trace(tmp_path))
+    for engine, expected in ((None, {"histate": "sglang", "vllm-disk": "vllm"}),
+                             ("vllm", {"histate": "vllm", "vllm-disk": "vllm"})):
+        out_dir = tmp_path / str(engine)
+        rc, _, err = run(["--trace", trace, "--policies", "histate,vllm-disk", "--out", str(out_dir), *FAST]
+                         + (["--engine", engine] if engine else []), capsys)
+        assert rc == 0, err
+        summary = strict_json((out_dir / "summary.json").read_text())
+        assert {name: p["engine"] for name, p in summary["policies"].items()} == expected
+        assert summary["settings"]["engine_name"] == engine
+    assert_refused(["--engine", "trt"], capsys, "--engine")

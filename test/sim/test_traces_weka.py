@@ -50,6 +50,18 @@ def test_divergent_prefixes_share_exactly_their_common_ids(tmp_path):
     assert r0.output_page_keys == ()                 # r1 does not extend r0
 
 
+def test_output_pages_are_known_only_when_the_next_prompt_carries_the_whole_output(tmp_path):
+    sess = weka_session("s", [
+        weka_request(0, 64 * 2, ids(1, 2), out=128),
+        weka_request(1, 64 * 3, ids(1, 3), out=130),     # 192 < 128 + 128: the output was not carried
+        weka_request(2, 64 * 6, ids(1, 6), out=10),      # 384 >= 192 + 130: pages 3 and 4 are r1's output
+    ])
+    r0, r1, r2 = load_weka(write_jsonl(tmp_path / "t.jsonl", [sess])).sessions[0].requests
+    assert r0.output_page_keys == ()
+    assert r1.output_page_keys == r2.page_keys[3:5]
+    assert r0.keys_through(4) == r0.page_keys + (("out", r0.uid, 2), ("out", r0.uid, 3))
+
+
 def test_sessions_do_not_share_keys_local_scope(tmp_path):
     w = load_weka(write_jsonl(tmp_path / "t.jsonl", [two_turn_session("a"), two_turn_session("b")]))
     a, b = (set(k for r in s.requests for k in r.page_keys) for s in w.sessions)

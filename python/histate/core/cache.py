@@ -46,8 +46,10 @@ class HybridPrefixCache:
         self.policy = policy
         capacity = {t: (sys.maxsize // 4 if policy.unbounded else config.capacity_bytes[t])
                     for t in policy.tiers if t in config.capacity_bytes}
-        self.ledger = (PartitionedLedger(capacity, config.state_fraction or _default_split(capacity))
+        self.ledger = (PartitionedLedger(capacity, config.state_fraction or _default_split(capacity),
+                                         policy.shared_pool_tiers)
                        if policy.partitioned else Ledger(capacity))
+        self._block_pages = config.block_pages if policy.block_granular else 1
         self.tree = RadixTree()
         self.stats = CacheStats()
         plan = TierPlan(policy, self.ledger)
@@ -110,6 +112,8 @@ class HybridPrefixCache:
 
     def _match(self, keys: list):
         path, m, partial = self.tree.walk(keys)
+        if m % self._block_pages:
+            path, m, partial = _floor_to_block(path, m, partial, self._block_pages)
         ckpt_node = None
         if self.policy.dense_checkpoints:
             c = m
@@ -167,30 +171,47 @@ class HybridPrefixCache:
                 self.stats.bytes_promoted += self.placement.promote_kv(node, now_s)
         return RequestLease(keys, result, lock_node, now_s)
 
-    def plan_checkpoints(self, lease: RequestLease, num_pages: Optional[int] = None) -> list[int]:
-        """Checkpoint depths (pages) the forward pass over (c, num_pages] must produce."""
+    def plan_checkpoints(self, lease: RequestLease, num_pages: Optional[int] = None,
+                         step_end_pages: Sequence[int] = (), output_end_pages: Optional[int] = None) -> list[int]:
+        """Checkpoint depths (pages) the forward pass over (c, num_pages] must produce.
+
+        `step_end_pages`: where the executor's prefill forward passes ended (engines that keep one state
+        per pass place states there); `output_end_pages`: pages holding KV once the output is decoded
+        (engines that cache decode states place them up to there). Both optional."""
         end = len(lease.page_keys) if num_pages is None else num_pages
         m = lease.match
-        return self.state.plan(m.num_reused_pages, m.num_kv_pages, end, lease.now_s)
+        return self.state.plan(m.num_reused_pages, m.num_kv_pages, end, lease.now_s,
+                               tuple(step_end_pages), output_end_pages)
 
     def finish_request(self, lease: RequestLease, page_keys: Optional[Sequence], now_s: float,
                        checkpoint_pages: Sequence[int] = ()) -> "InsertResult":
         """Insert the request's pages and checkpoints, then release its pins.
 
+        `page_keys` may run past the prompt (its output pages). Block-granular policies keep whole
+        blocks and states on the block grid only; `kv_ends_at_last_state` policies insert KV only up
+        to the deepest new state (docs/policies.md).
         Mutates: tree structure, tier masks, ledger, lock counts, the residence-time EMAs (evictions).
         """
         if not lease.is_open:
             raise HiStateError("finish_request on a lease that was already finished or aborted")
         self.last_now_s = now_s
         keys = lease.page_keys if page_keys is None else list(page_keys)
+        reused = lease.match.num_reused_pages
+        block = self._block_pages
+        if block > 1:
+            keys = keys[:len(keys) - len(keys) % block]
+        if self.policy.dense_checkpoints:  # every page boundary already counts as a state (I8)
+            depths = []
+        else:
+            depths = sorted({d - d % block for d in checkpoint_pages if reused < d - d % block <= len(keys)})
+            if self.policy.kv_ends_at_last_state:
+                keys = keys[:depths[-1] if depths else reused]
         written_before = dict(self.stats.bytes_written_by_tier)
         path, num_new = self._insert_kv(keys, now_s, lease)
         end_pages = path[-1].depth_pages if path else 0
         num_ckpts = 0
-        if self.policy.dense_checkpoints:  # every page boundary already counts as a state (I8)
-            checkpoint_pages = ()
-        for depth in sorted(set(checkpoint_pages)):
-            if lease.match.num_reused_pages < depth <= end_pages:
+        for depth in depths:
+            if depth <= end_pages:
                 node = self._node_ending_at(path, depth, now_s)
                 num_ckpts += self._add_checkpoint(node, now_s, is_terminal=depth == len(keys))
         self._close(lease)
@@ -308,16 +329,20 @@ class HybridPrefixCache:
             head = self.tree.split(partial, pos - partial.start_pages, now_s)
             evictor.touch(partial)
             path.append(head)
-        for node in path:
-            node.kv_access_s = now_s
+        if not self.policy.refresh_matched_only:
+            for node in path:
+                node.kv_access_s = now_s
         parent = path[-1] if path else self.tree.root
         num_new = len(keys) - pos
         if num_new <= 0:
             return path, 0
         size = num_new * self.config.kv_bytes_per_page
-        self._lock(parent, +1)  # making room must not evict the path we attach to
+        held = parent.lock_count > 0  # a pinned node's ancestors are pinned too (I5): nothing to add
+        if not held:
+            self._lock(parent, +1)  # making room must not evict the path we attach to
         ok = evictor.make_room(self.ledger.pool_of(Tier.GPU, ItemKind.KV), size, now_s)
-        self._lock(parent, -1)
+        if not held:
+            self._lock(parent, -1)
         if not ok:
             self.stats.num_insert_failures += 1
             return path, 0
@@ -374,6 +399,16 @@ class InsertResult:
 
 def _depth_of(node: Node) -> int:
     return node.depth_pages
+
+
+def _floor_to_block(path: list, num_pages: int, partial: Optional[Node], block_pages: int):
+    """A walk's result cut back to whole blocks (vLLM hashes and hits whole blocks,
+    `FullAttentionManager.find_longest_cache_hit`: `max_length // block_size`)."""
+    num_pages -= num_pages % block_pages
+    i = bisect_left(path, num_pages + 1, key=_depth_of)  # path[:i] end at or before the cut
+    rest = path[i:] + ([partial] if partial is not None else [])
+    cut = rest[0] if rest and rest[0].start_pages < num_pages else None
+    return path[:i], num_pages, cut
 
 
 def _default_split(capacity: dict) -> dict:

@@ -44,6 +44,11 @@ DEFAULT_CHUNK_PAGES = 128
 DEFAULT_FIXED_INTERVAL_PAGES = 288
 """Interval of the `histate-fixed32` ablation: the paper's 32 vLLM blocks of 576 tokens = 288 pages."""
 
+DECODE_TRACK_INTERVAL_TOKENS = 256
+"""SGLang's `--mamba-track-interval` (sglang/srt/arg_groups/fields/exec_.py:530-533): during decode
+the recurrent state is tracked where the sequence length is a multiple of 256 tokens, and a finished
+request donates the last one (managers/schedule_batch.py:3815-3816)."""
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -66,7 +71,18 @@ class CacheConfig:
     fixed_interval_pages: int = DEFAULT_FIXED_INTERVAL_PAGES
     """Interval of the `histate-fixed32` ablation."""
     chunk_pages: int = DEFAULT_CHUNK_PAGES
-    """Chunked-prefill size in pages: where SGLang keeps states."""
+    """Chunked-prefill size in pages: where SGLang keeps states when the executor does not report
+    where its forward passes ended (`AdmissionContext.step_end_pages`)."""
+    block_pages: int = 1
+    """Allocation block in pages for block-granular policies (`Policy.block_granular`): vLLM's hybrid
+    allocator pads the attention block until one page holds a layer's recurrent state, 576 tokens =
+    9 pages for Qwen3.5-9B. Hits, states and inserted KV come in whole blocks."""
+    decode_track_pages: int = DECODE_TRACK_INTERVAL_TOKENS // STATE_GRID_TOKENS
+    """SGLang's decode state grid in pages (see DECODE_TRACK_INTERVAL_TOKENS)."""
+    attention_pair_tokens: float = 0.0
+    """FLOPs of one (query, key) pair of attention over all attention layers, in units of one token's
+    per-token FLOPs (matmuls + recurrence). Marconi's FLOP efficiency weighs the quadratic attention
+    a cached prefix saves with it; 0 counts only linear work."""
     ema_alpha: float = DEFAULT_EMA_ALPHA
     """Weight of a new observation in the residence-time and terminal-hit EMAs."""
     initial_terminal_hit_prob: float = DEFAULT_TERMINAL_HIT_PRIOR
@@ -101,6 +117,9 @@ class CacheConfig:
         )
         need(self.fixed_interval_pages > 0, "fixed_interval_pages", "must be > 0")
         need(self.chunk_pages > 0, "chunk_pages", "must be > 0")
+        need(self.block_pages > 0, "block_pages", "must be > 0")
+        need(self.decode_track_pages > 0, "decode_track_pages", "must be > 0")
+        need(self.attention_pair_tokens >= 0, "attention_pair_tokens", "must be >= 0")
         need(0.0 < self.ema_alpha <= 1.0, "ema_alpha", "must be in (0, 1]")
         need(0.0 <= self.initial_terminal_hit_prob <= 1.0, "initial_terminal_hit_prob", "must be in [0, 1]")
         for tier, cost in self.restore_cost_tokens.items():

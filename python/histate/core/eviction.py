@@ -16,6 +16,14 @@ so only changes that can *lower* a score need a re-offer:
   * a checkpoint that vanishes only *raises* its neighbours' C (longer gap below, longer span above),
     so their entries stay valid lower bounds and are re-scored when they reach the top.
 New checkpoints lower their neighbours' costs; `touch_checkpoint_neighbourhood` re-offers them.
+
+Two policy-selected mechanisms (docs/policies.md):
+  * `state_evicts_leaf`: under a static split, a state evicted from a tier leaf takes the leaf's KV
+    copy in that tier with it (SGLang's mamba LRU evicts a device leaf whole,
+    unified_cache/components/mamba.py:415-421);
+  * `scan_victims`: the policy picks each victim from the pool's whole candidate set
+    (`Policy.choose_victim`; Marconi min-max normalises its score over the candidates, which a
+    lower-bound heap cannot do). The heap then only stores the candidates.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from .placement import TierPlan
 from .policy_state import PolicyState
 from .tree import Node, RadixTree
 from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
-from .units import checkpoint_at_or_above, checkpoint_neighbours, units_of
+from .units import checkpoint_at_or_above, checkpoint_neighbours, is_tier_leaf, units_of
 from .victims import VictimHeap, reoffer
 
 _COMPACT_FACTOR = 4  # rebuild the heaps once stale entries outnumber live ones this many times
@@ -36,7 +44,10 @@ class Evictor:
         self.book = book
         self.state = state
         self.plan = plan
-        self.partitioned = state.policy.partitioned
+        policy = state.policy
+        self.partitioned = policy.partitioned
+        self.state_evicts_leaf = policy.state_evicts_leaf
+        self.scan_victims = policy.scan_victims
         ledger = book.ledger
         self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
         self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
@@ -110,7 +121,7 @@ class Evictor:
 
     def _evict_one(self, pool, now_s: float) -> bool:
         heap = self.heaps[pool]
-        victim = heap.pop_lowest(self._rank)
+        victim = self._scan(heap, now_s) if self.scan_victims else heap.pop_lowest(self._rank)
         if victim is None:
             return False
         node, unit, t, _ = victim
@@ -120,30 +131,48 @@ class Evictor:
                 h.compact()
         return True
 
+    def _scan(self, heap: VictimHeap, now_s: float):
+        """The policy's choice among the pool's unpinned units (every one has a live entry, I7)."""
+        candidates = [(node, unit, t) for _, _, node, unit, t, version in heap.entries
+                      if node.is_alive and node.version == version and not node.lock_count and not node.is_parked]
+        i = self.state.policy.choose_victim(self.state.scoring, candidates, now_s) if candidates else None
+        return None if i is None else (*candidates[i], None)
+
     # --- evicting one unit -------------------------------------------------------------------------
+
+    def _takes_leaf(self, node: Node, tier: Tier) -> bool:
+        """A state leaving `tier` takes the node's KV copy there too (`state_evicts_leaf`): only where
+        the tier splits KV and states, and only for a leaf of that tier."""
+        bit = 1 << tier
+        ledger = self.book.ledger
+        return (bool(node.kv_mask & bit) and is_tier_leaf(node, bit)
+                and ledger.pool_of(tier, ItemKind.KV) != ledger.pool_of(tier, ItemKind.CHECKPOINT))
 
     def evict_unit(self, node: Node, unit: UnitKind, tier: Tier, now_s: float) -> None:
         if self.observer is not None:
             self.observer.on_unit_evicted(node, unit, tier, now_s, self.state.score_terms(node, unit, 1 << tier))
         book = self.book
+        bit = 1 << tier
+        takes_kv = unit is UnitKind.BUNDLE or (self.state_evicts_leaf and self._takes_leaf(node, tier))
         book.pin(node)  # cascades below must neither evict nor merge this node
-        if unit is UnitKind.CHECKPOINT:
-            outcome = self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
-        else:
+        if takes_kv:
             outcome = self._evict_copy(node, ItemKind.KV, tier, now_s)
-            if outcome in ("shed", "demote") and not node.children and node.ckpt_mask & (1 << tier):
+            if (outcome in ("shed", "demote") and node.ckpt_mask & bit
+                    and (unit is UnitKind.CHECKPOINT or not node.children)):
                 self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
+        else:
+            outcome = self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
         book.unpin(node)
         if outcome == "stuck":
             node.is_parked = True  # nothing moved; re-offered when touched or unlocked
             return
-        if unit is UnitKind.BUNDLE and not node.kv_mask & GPU_BIT:
+        if takes_kv and not node.kv_mask & GPU_BIT:
             self.state.on_kv_left_gpu(node, now_s)  # T_KV: time the KV held the GPU
         book.stats.on_eviction(unit, tier, outcome)
-        if outcome == "drop" and unit is UnitKind.BUNDLE:
+        if outcome == "drop" and takes_kv:
             self.remove_node(node, now_s)
             return
-        self.settle(node, checkpoint_gone=outcome == "drop")
+        self.settle(node, checkpoint_gone=outcome == "drop" and not takes_kv)
 
     def settle(self, node: Node, checkpoint_gone: bool) -> None:
         """Re-rank after a copy of `node` left a tier (eviction or a reported loss).

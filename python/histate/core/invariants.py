@@ -19,6 +19,7 @@ def check_invariants(cache) -> None:
     used = {pool: 0 for pool in ledger.capacity_bytes}
     protected = {pool: 0 for pool in ledger.capacity_bytes}
     live_entries = cache.evictor.live_units()
+    block_pages = cache.config.block_pages if policy.block_granular else 1
     num_nodes = 0
     for node in tree.iter_nodes():
         num_nodes += 1
@@ -38,6 +39,8 @@ def check_invariants(cache) -> None:
         # I8: states only where the policy admits them
         if node.ckpt_mask and policy.dense_checkpoints:
             _fail("I8", f"{node} holds an explicit checkpoint under a dense policy")
+        if node.ckpt_mask and node.depth_pages % block_pages:
+            _fail("I8", f"{node} holds a checkpoint off the {block_pages}-page block grid")
         # I5: path locks
         if node.lock_count < 0:
             _fail("I5", f"{node} lock count {node.lock_count} < 0")

@@ -68,21 +68,31 @@ class PartitionedLedger(Ledger):
     """Static split: `state_fraction[tier]` of each tier for checkpoints, the rest for KV.
 
     This is SGLang 0.5.23's device split (`--mamba-full-memory-ratio`) mirrored onto the host pools
-    (`--hicache-ratio`); see docs/policies.md.
+    (`--hicache-ratio`); see docs/policies.md. A tier in `shared_tiers` keeps one pool for both kinds
+    (SGLang's L3 `HiCacheFile` is one store with one LRU over KV pages and mamba objects alike,
+    mem_cache/storage/file/lru_file_evictor.py:1-25).
     """
 
-    def __init__(self, capacity_bytes: Mapping[Tier, int], state_fraction: Mapping[Tier, float]):
+    def __init__(self, capacity_bytes: Mapping[Tier, int], state_fraction: Mapping[Tier, float],
+                 shared_tiers: tuple = ()):
         pools = {}
+        self._shared = {Tier(t) for t in shared_tiers}
         for tier, size in capacity_bytes.items():
+            tier = Tier(tier)
+            if tier in self._shared:
+                pools[(tier, None)] = int(size)
+                continue
             frac = state_fraction.get(tier, 0.5)
             state = int(size * frac)
-            pools[(Tier(tier), ItemKind.CHECKPOINT)] = state
-            pools[(Tier(tier), ItemKind.KV)] = int(size) - state
+            pools[(tier, ItemKind.CHECKPOINT)] = state
+            pools[(tier, ItemKind.KV)] = int(size) - state
         self._init_pools(pools)
         self._tiers = {Tier(t) for t in capacity_bytes}
 
     def pool_of(self, tier: Tier, kind: ItemKind) -> Hashable:
-        return (tier, kind)
+        return (tier, None) if tier in self._shared else (tier, kind)
 
     def pools_of_tier(self, tier: Tier) -> list:
+        if tier in self._shared:
+            return [(tier, None)]
         return [(tier, ItemKind.KV), (tier, ItemKind.CHECKPOINT)]

@@ -121,7 +121,12 @@ class PolicyState:
     def refresh(self, kv_path: Sequence, ckpt_path: Sequence, ckpt_node, now_s: float) -> None:
         """Refresh on a hit: KV along the matched path (`kv_path`), the used checkpoint, and for
         refresh-all policies every checkpoint above it on the path (`ckpt_path`, root first; paper
-        §3.3: eq. 7's cost term still sparsifies them)."""
+        §3.3: eq. 7's cost term still sparsifies them). Matched-only policies (Marconi) refresh the
+        matched node alone (`radix_cache_hybrid.py` match_prefix: `nodes_accessed[-1]`)."""
+        if self.policy.refresh_matched_only:
+            if ckpt_node is not None:
+                ckpt_node.kv_access_s = ckpt_node.ckpt_access_s = now_s
+            return
         for node in kv_path:
             node.kv_access_s = now_s
         if ckpt_node is None:
@@ -135,12 +140,14 @@ class PolicyState:
 
     # --- admission (eq. 3-6) -----------------------------------------------------------------------
 
-    def plan(self, start_pages: int, kv_match_pages: int, end_pages: int, now_s: float) -> list[int]:
-        """Checkpoint depths (pages) for a request's new segment (start, end]."""
+    def plan(self, start_pages: int, kv_match_pages: int, end_pages: int, now_s: float,
+             step_end_pages: tuple = (), output_end_pages: Optional[int] = None) -> list[int]:
+        """Checkpoint depths (pages) for a request's new segment (start, end] and, when the executor
+        caches the output, its decode states up to `output_end_pages`."""
         if self.policy.dense_checkpoints:
             return []
         ctx = AdmissionContext(start_pages, kv_match_pages, end_pages, self.controller, self.config, now_s,
-                               self._ctx.near_end_probs)
+                               self._ctx.near_end_probs, step_end_pages, output_end_pages)
         return self.policy.admit(ctx)
 
     # --- residence samples (T_KV, T_state of eq. 4) ------------------------------------------------

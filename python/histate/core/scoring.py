@@ -27,6 +27,8 @@ class ScoringContext:
     GPU). Empty: every eviction is charged its recompute (the paper's C)."""
     demotion_tier: tuple = ()
     """Per tier index: the tier index a unit evicted from it moves to, or -1 when it is dropped."""
+    attention_pair_tokens: float = 0.0
+    """One attention (query, key) pair in per-token FLOPs (CacheConfig.attention_pair_tokens)."""
     near_end_stride: int = 1
     """Node units per page of the near-end prior: 1 when nodes count pages (the core's tree); the page
     in tokens when an executor's tree is token-granular (SGLang's), so p'_k still means k pages."""
@@ -38,4 +40,4 @@ class ScoringContext:
         (default: the config's page, the core's own tree)."""
         unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
         return cls(config.tau_s, unit, config.checkpoint_token_equiv, terminal_prob, near_end_probs,
-                   restore_cost, demotion_tier, config.page_num_tokens // unit)
+                   restore_cost, demotion_tier, config.attention_pair_tokens, config.page_num_tokens // unit)

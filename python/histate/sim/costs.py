@@ -224,6 +224,47 @@ def get_model(name: str) -> ModelSpec:
     return MODELS[name]
 
 
+VLLM_KERNEL_BLOCK_ALIGN_TOKENS = 64
+"""The granularity vLLM rounds the hybrid attention block to with prefix caching: lcm(the model's mamba
+chunk, 64 tokens for the GDN kernels; the attention kernel's alignment, 16). With it the rule below
+gives the paper's 576-token blocks (§4.1: 2,560 blocks of 576 tokens in 45 GiB)."""
+
+
+@dataclass(frozen=True)
+class VllmHybridBlocks:
+    """vLLM's hybrid allocator for one model (vllm-project/vllm@1936cf3,
+    vllm/model_executor/models/config.py, `HybridAttentionMambaModelConfig.verify_and_update_config`):
+    with prefix caching the attention block is `chunk * cdiv(cdiv(mamba_page_size,
+    attn_page_size_1_token), chunk)` tokens, so that one page of an attention layer holds one layer's
+    recurrent state; the state page is padded to it; layers are grouped by the smaller layer count, so
+    a state takes one block in each mamba group."""
+
+    block_num_tokens: int
+    state_num_blocks: int
+    block_size_bytes: int      # one block of one group: KV of `block_num_tokens` tokens
+
+    @property
+    def state_size_bytes(self) -> int:
+        return self.state_num_blocks * self.block_size_bytes
+
+
+def vllm_hybrid_blocks(model: ModelSpec, align_tokens: int = VLLM_KERNEL_BLOCK_ALIGN_TOKENS) -> VllmHybridBlocks:
+    arch = model.architecture
+    if arch is None:
+        raise ValueError(f"{model.name}: vLLM block sizing needs the model architecture")
+    kv_per_token_per_layer = model.kv_bytes_per_token // arch.num_attention_layers
+    state_per_layer = math.ceil(model.checkpoint_size_bytes / arch.num_linear_layers)
+    block = align_tokens * math.ceil(math.ceil(state_per_layer / kv_per_token_per_layer) / align_tokens)
+    groups = math.ceil(arch.num_linear_layers / arch.num_attention_layers)
+    return VllmHybridBlocks(block, groups, block * model.kv_bytes_per_token)
+
+
+def attention_pair_tokens(model: ModelSpec) -> float:
+    """One (query, key) attention pair over all attention layers, in FLOPs of one token's linear work
+    (what Marconi's FLOP efficiency needs, histate.core CacheConfig.attention_pair_tokens)."""
+    return model.attention_flops_per_attended_token / (model.matmul_flops_per_token + model.recurrent_flops_per_token)
+
+
 # --------------------------------------------------------------------------------------- hardware
 @dataclass(frozen=True)
 class HardwareSpec:

@@ -37,6 +37,20 @@ Model:
   is always computed (a full hit still runs the last token to get logits).
 * Decode-only stretches are fast-forwarded in closed form (step time is linear in the step index
   while the batch is fixed), so a replay costs O(prefill steps + requests), not O(output tokens).
+* Memory. A request waits in FIFO order until a `MemoryGate` admits it (at its arrival when nobody
+  waits ahead of it, else at the next step start); admission is where the cache is matched and
+  pinned and where the request's memory is promised, so a request that does not fit next to the
+  running ones and the pinned cache waits (head-of-line, as SGLang's `PrefillAdder` returns NO_TOKEN
+  and vLLM's waiting loop breaks). Its restore starts at admission. Running requests may ask for
+  more memory as they compute (`MemoryGate.grow`, vLLM's per-step block allocation); when that fails
+  the most recently admitted running request is preempted and recomputed later (vLLM's
+  `Scheduler.schedule`: `self.running.pop()`, `_preempt_request`), the request itself last. The
+  default gate admits everything at once (unbounded memory).
+* Chunk rules (`EngineConfig.chunk_rule`): "vllm" ends every prefill step that is not the last on a
+  block boundary and forces a step end at the last block boundary of the prompt (align mode,
+  `Scheduler._mamba_block_aligned_split`); a step too small for one block skips the request. The
+  engine reports every request's prefill step ends (`RequestTiming.step_end_tokens`): engines that
+  keep one recurrent state per forward pass place their states there.
 """
 from __future__ import annotations
 
@@ -50,16 +64,24 @@ from typing import Hashable, Mapping, Optional
 from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, PrefillChunk, RooflineStepCost
 
 
+CHUNK_RULES = ("none", "vllm")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     token_budget_per_step: int = 8192     # chunked prefill size / max batched tokens per step
     mixed_batches: bool = True            # decode tokens and prefill chunks share a step
-    max_running_requests: int = 256       # prefilling + decoding (SGLang/vLLM max batch; rarely binding)
+    max_running_requests: int = 256       # admitted requests (SGLang/vLLM max batch; rarely binding)
     io_unit_bytes: int = 64 * 2**20       # background transfer granularity (non-preemptible)
+    chunk_rule: str = "none"              # "vllm": align-mode step ends (module docstring)
+    block_num_tokens: int = 1             # the "vllm" rule's block
 
     def __post_init__(self) -> None:
-        if self.token_budget_per_step < 1 or self.max_running_requests < 1 or self.io_unit_bytes < 1:
+        if (self.token_budget_per_step < 1 or self.max_running_requests < 1 or self.io_unit_bytes < 1
+                or self.block_num_tokens < 1):
             raise ValueError(f"EngineConfig values must be positive: {self}")
+        if self.chunk_rule not in CHUNK_RULES:
+            raise ValueError(f"EngineConfig.chunk_rule {self.chunk_rule!r} not in {CHUNK_RULES}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +108,15 @@ class RequestTiming:
 
     request_id: Hashable
     arrival_s: float
-    restore_done_s: float
-    restore_transfer_s: float          # eq. 2 time of its own bytes, without waiting for the links
-    num_compute_tokens: int
+    restore_done_s: float = math.nan   # set at admission (the last one, after a preemption)
+    restore_transfer_s: float = 0.0    # eq. 2 time of its own bytes, without waiting for the links
+    num_compute_tokens: int = 0        # of its first admission
     prefill_start_s: Optional[float] = None
     first_token_s: Optional[float] = None
     finish_s: Optional[float] = None
+    admitted_s: Optional[float] = None  # first admission (memory promised, restore started)
+    step_end_tokens: list = field(default_factory=list)  # prefill step ends of its last admission
+    num_preemptions: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -196,6 +221,28 @@ class Channel:
         return self._backlog_s
 
 
+class MemoryGate:
+    """Where the engine asks for memory (module docstring). This default is unbounded memory: every
+    request is admitted at once with the match it was submitted with and never grows."""
+
+    def admit(self, req: "EngineRequest", context_num_tokens: int, now_s: float,
+              idle: bool) -> Optional["EngineRequest"]:
+        """Admit `req` to compute up to `context_num_tokens` (its prompt; after a preemption also its
+        output so far): the request with its match (compute tokens, restore sizes), or None to keep
+        it waiting. `idle`: nothing else holds memory, so the gate must admit (over-committing if the
+        request can never fit)."""
+        return req
+
+    def grow(self, request_id: Hashable, num_tokens: int, now_s: float, force: bool) -> bool:
+        """A running request needs memory for `num_tokens` tokens of KV in all (vLLM allocates per
+        step); False if it cannot get it now. `force`: it runs alone, so it must get it."""
+        return True
+
+    def preempt(self, request_id: Hashable, num_computed_tokens: int, step_end_tokens: list,
+                now_s: float) -> None:
+        """The engine takes `request_id` off the GPU (it will be admitted again and recompute)."""
+
+
 @dataclass(slots=True)
 class EngineStats:
     steps: int = 0
@@ -206,28 +253,38 @@ class EngineStats:
     decode_tokens: int = 0
     requests_submitted: int = 0
     requests_finished: int = 0
+    preemptions: int = 0
+    admissions_deferred: int = 0         # admission attempts a gate refused (the request waited)
 
 
 class _Active:
     """One request inside the engine."""
 
-    __slots__ = ("req", "timing", "remaining", "context", "decode_left", "started")
+    __slots__ = ("req", "timing", "prompt_tokens", "remaining", "context", "target", "decode_left", "started",
+                 "generated", "admission", "grown_to", "needs_decode_memory")
 
     def __init__(self, req: EngineRequest, timing: RequestTiming) -> None:
         self.req, self.timing = req, timing
-        self.remaining = timing.num_compute_tokens
-        self.context = req.context_num_tokens - timing.num_compute_tokens   # tokens already in KV
-        self.decode_left = 0
+        self.prompt_tokens = req.context_num_tokens
+        self.remaining = 0          # prefill tokens still to compute (this admission)
+        self.context = 0            # tokens already in KV
+        self.target = req.context_num_tokens  # context at the end of this admission's prefill
+        self.decode_left = req.output_num_tokens  # output tokens still to produce
         self.started = False
+        self.generated = 0          # output tokens produced so far
+        self.admission = 0          # count; stale restore-heap entries carry an older one
+        self.grown_to = 0           # tokens of KV the gate promised (vLLM growth)
+        self.needs_decode_memory = False
 
 
 class Engine:
     """One GPU (module docstring). Not thread-safe; one driver owns it."""
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, config: EngineConfig = EngineConfig(),
-                 step_cost: Optional[RooflineStepCost] = None) -> None:
+                 step_cost: Optional[RooflineStepCost] = None, gate: Optional[MemoryGate] = None) -> None:
         self.model, self.hardware, self.config = model, hardware, config
         self.cost = step_cost if step_cost is not None else RooflineStepCost(model, hardware)
+        self.gate = gate if gate is not None else MemoryGate()
         unit = config.io_unit_bytes
         self.h2d = Channel("h2d", unit / hardware.h2d_bandwidth_bytes_per_s)
         self.d2h = Channel("d2h", unit / hardware.d2h_bandwidth_bytes_per_s)
@@ -236,11 +293,12 @@ class Engine:
         self._now = 0.0
         self._gpu_free = 0.0           # end of the last committed step
         self._seq = 0
-        self._restoring: list = []     # heap of (ready_s, seq, _Active)
+        self._waiting: deque = deque() # submitted or preempted, not admitted (FIFO; preempted first)
+        self._running: dict = {}       # request id -> _Active, in admission order (preemption order)
+        self._restoring: list = []     # heap of (ready_s, seq, admission, _Active)
         self._prefill: deque = deque() # restored requests, FIFO; the head may be partly prefilled
         self._decoding: list = []      # _Active in decode
         self._decode_context_sum = 0
-        self._num_running = 0          # started prefills + decodes
         self._pending: list = []       # events of the last committed step, not yet returned
         self._pending_time = math.inf
 
@@ -250,43 +308,80 @@ class Engine:
         return self._now
 
     def submit(self, req: EngineRequest, now_s: float) -> RequestTiming:
-        """A request arrives at `now_s` with its cache match; its restore starts immediately.
+        """A request arrives at `now_s`; it is admitted at once if nobody waits ahead of it and the
+        gate lets it in (its restore starts then), else it waits for a later step start.
 
         Call `advance_until(now_s)` first (events before `now_s` would otherwise come out late)."""
         self._check_time(now_s)
-        hw = self.hardware
         if req.num_compute_tokens < 0 or req.output_num_tokens < 0 or req.context_num_tokens < 0:
             raise ValueError(f"negative token count in {req}")
         if req.num_compute_tokens > req.context_num_tokens:
             raise ValueError(f"num_compute_tokens exceeds context_num_tokens in {req}")
-        n = max(1, req.num_compute_tokens)
-        if n > req.context_num_tokens:    # empty prompt: one token still runs
-            req = EngineRequest(req.request_id, n, n, req.output_num_tokens)
-        cpu_bytes = ssd_bytes = 0
+        self._check_restore_sizes(req)
+        active = _Active(req, RequestTiming(req.request_id, now_s))
+        self._waiting.append(active)
+        self.stats.requests_submitted += 1
+        if len(self._waiting) == 1:
+            self._admit_waiting(now_s)
+        return active.timing
+
+    @staticmethod
+    def _check_restore_sizes(req: EngineRequest) -> None:
         for tier, size in req.kv_restore_bytes_by_tier.items():
             if size < 0:
                 raise ValueError(f"negative restore size in {req}")
+            if tier not in (GPU_TIER, CPU_TIER, SSD_TIER):
+                raise ValueError(f"unknown tier {tier!r} in {req}")
+
+    def _admit_waiting(self, now_s: float) -> None:
+        """Admit waiting requests in FIFO order until the gate refuses one (head-of-line blocking)."""
+        while self._waiting and len(self._running) < self.config.max_running_requests:
+            active = self._waiting[0]
+            idle = not self._running
+            admitted = self.gate.admit(active.req, active.target, now_s, idle=idle)
+            if admitted is None:
+                if idle:  # nothing would ever free memory: the replay could not end
+                    raise RuntimeError(f"{type(self.gate).__name__} refused {active.req.request_id!r} on an idle GPU")
+                self.stats.admissions_deferred += 1
+                return
+            self._waiting.popleft()
+            self._start_restore(active, admitted, now_s)
+
+    def _start_restore(self, active: _Active, req: EngineRequest, now_s: float) -> None:
+        """Admitted: the request holds memory from now on; its data crosses the links (eq. 2)."""
+        self._check_restore_sizes(req)
+        n = max(1, req.num_compute_tokens)  # a full hit still computes one token (for its logits)
+        cpu_bytes = ssd_bytes = 0
+        for tier, size in req.kv_restore_bytes_by_tier.items():
             if tier == CPU_TIER:
                 cpu_bytes += size
             elif tier == SSD_TIER:
                 ssd_bytes += size
-            elif tier != GPU_TIER:
-                raise ValueError(f"unknown tier {tier!r} in {req}")
         if req.checkpoint_tier == CPU_TIER:
             cpu_bytes += req.checkpoint_restore_bytes
         elif req.checkpoint_tier == SSD_TIER:
             ssd_bytes += req.checkpoint_restore_bytes
+        hw = self.hardware
         h2d_bw, ssd_bw = hw.h2d_bandwidth_bytes_per_s, hw.ssd_read_bandwidth_bytes_per_s
         ssd_end = self.ssd.reserve(ssd_bytes / ssd_bw, ssd_bytes, now_s)
         h2d_end = self.h2d.reserve((cpu_bytes + ssd_bytes) / h2d_bw, cpu_bytes + ssd_bytes, now_s)
         ready = max(h2d_end, ssd_end + ssd_bytes / h2d_bw) if (cpu_bytes or ssd_bytes) else now_s
-        transfer_s = max((cpu_bytes + ssd_bytes) / h2d_bw, ssd_bytes / ssd_bw + ssd_bytes / h2d_bw)
-        timing = RequestTiming(req.request_id, now_s, ready, transfer_s, n)
-        active = _Active(req, timing)
+        timing = active.timing
+        timing.restore_done_s = ready
+        timing.restore_transfer_s = max((cpu_bytes + ssd_bytes) / h2d_bw, ssd_bytes / ssd_bw + ssd_bytes / h2d_bw)
+        if timing.admitted_s is None:
+            timing.admitted_s = now_s
+            timing.num_compute_tokens = n
+        active.req = req
+        active.target = max(active.target, n)  # an empty prompt still runs one token
+        active.remaining = n
+        active.context = active.target - n
+        active.grown_to = active.target - n + min(n, self.config.token_budget_per_step)
+        active.admission += 1
+        timing.step_end_tokens = []
+        self._running[req.request_id] = active
         self._seq += 1
-        heapq.heappush(self._restoring, (ready, self._seq, active))
-        self.stats.requests_submitted += 1
-        return timing
+        heapq.heappush(self._restoring, (ready, self._seq, active.admission, active))
 
     def submit_transfer(self, size_bytes: float, src_tier: Optional[int], dst_tier: Optional[int],
                         now_s: float) -> None:
@@ -323,10 +418,14 @@ class Engine:
                 if t_s != math.inf:       # idle forever: keep the clock where it is
                     self._now = t_s
                 return []
+            if self._waiting:
+                self._admit_waiting(start)
             self._admit_restored(start)
-            if self._has_ready_prefill():
-                self._run_step(start)
-            else:
+            if not self._allocate_decodes(start):
+                continue                   # preemptions changed the batch: schedule again
+            if self._prefill:
+                self._run_step(start, t_s)
+            elif self._decoding:
                 self._fast_forward_decode(start, t_s)
 
     def next_event_time(self) -> float:
@@ -337,25 +436,24 @@ class Engine:
         return self._next_step_start()
 
     def has_work(self) -> bool:
-        return bool(self._pending or self._restoring or self._prefill or self._decoding)
+        return bool(self._pending or self._running or self._waiting)
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._restoring) + len(self._prefill) + len(self._decoding)
+        return len(self._running) + len(self._waiting)
 
     # ---------------------------------------------------------------------------- internals
     def _check_time(self, t: float) -> None:
         if t < self._now:
             raise ValueError(f"time went backwards: {t} < engine time {self._now}")
 
-    def _has_ready_prefill(self) -> bool:
-        if not self._prefill:
-            return False
-        return self._prefill[0].started or self._num_running < self.config.max_running_requests
-
     def _next_step_start(self) -> float:
-        if self._decoding or self._has_ready_prefill():
+        if self._decoding or self._prefill:
             return self._gpu_free
+        if self._waiting and not self._running:
+            return max(self._gpu_free, self._now)  # idle: the scheduler admits at once
+        while self._restoring and self._restoring[0][2] != self._restoring[0][3].admission:
+            heapq.heappop(self._restoring)     # preempted while restoring
         if self._restoring:
             return max(self._gpu_free, self._restoring[0][0])
         return math.inf
@@ -363,28 +461,102 @@ class Engine:
     def _admit_restored(self, start: float) -> None:
         restoring = self._restoring
         while restoring and restoring[0][0] <= start:
-            self._prefill.append(heapq.heappop(restoring)[2])
+            _, _, admission, active = heapq.heappop(restoring)
+            if admission == active.admission and active.req.request_id in self._running:
+                self._prefill.append(active)
 
-    def _run_step(self, start: float) -> None:
-        """One forward step with at least one prefill chunk (and decode tokens if mixed)."""
+    # --- memory growth and preemption (module docstring) --------------------------------------------
+    def _grow(self, active: _Active, num_tokens: int, start: float) -> bool:
+        """Promise `active` memory for `num_tokens` of KV, preempting the most recently admitted
+        running requests when the gate refuses (vLLM). False if `active` itself was preempted."""
+        if num_tokens <= active.grown_to:
+            return True
+        rid = active.req.request_id
+        while not self.gate.grow(rid, num_tokens, start, force=len(self._running) == 1):
+            victim = self._running[next(reversed(self._running))]
+            self._preempt(victim, start)
+            if victim is active:
+                return False
+        active.grown_to = num_tokens
+        return True
+
+    def _allocate_decodes(self, start: float) -> bool:
+        """Requests that entered decode get their output's memory before the next step (vLLM
+        allocates a block whenever decode crosses one; the whole output at once here). False if a
+        preemption happened."""
+        preempted = False
+        for active in [a for a in self._decoding if a.needs_decode_memory]:
+            if active.req.request_id not in self._running:
+                continue                      # preempted by an earlier one in this loop
+            active.needs_decode_memory = False
+            before = self.stats.preemptions
+            self._grow(active, active.context + active.decode_left, start)
+            preempted |= self.stats.preemptions != before
+        return not preempted
+
+    def _preempt(self, victim: _Active, now_s: float) -> None:
+        """Take `victim` off the GPU: its memory goes back (the gate decides what stays cached) and
+        it waits at the head of the queue to recompute prompt + output so far (vLLM recompute)."""
+        rid = victim.req.request_id
+        del self._running[rid]
+        if victim in self._decoding:
+            self._decoding.remove(victim)
+            self._decode_context_sum -= victim.context
+        elif victim in self._prefill:
+            self._prefill.remove(victim)
+        self.gate.preempt(rid, victim.context, list(victim.timing.step_end_tokens), now_s)
+        victim.admission += 1                   # any restore in flight is void
+        victim.target = victim.prompt_tokens + max(0, victim.generated - 1)  # the KV it had computed
+        victim.needs_decode_memory = False
+        victim.timing.num_preemptions += 1
+        self.stats.preemptions += 1
+        self._waiting.appendleft(victim)
+
+    # --- steps ---------------------------------------------------------------------------------------
+    def _chunk(self, active: _Active, budget: int) -> int:
+        """Tokens of `active` this step may compute with `budget` left (the chunk rule)."""
+        n = min(active.remaining, budget)
+        if self.config.chunk_rule == "vllm":
+            block = self.config.block_num_tokens
+            last_cache = active.target - active.target % block
+            if active.context + n < last_cache:
+                n = n // block * block          # may be 0: the request waits for a bigger budget
+            elif active.context < last_cache < active.context + n:
+                n = last_cache - active.context  # force a step end at the last block boundary
+        return n
+
+    def _run_step(self, start: float, limit: float) -> None:
+        """One forward step with the prefill chunks that fit (and decode tokens if mixed)."""
         cfg = self.config
         budget = cfg.token_budget_per_step
-        decoding = self._decoding if cfg.mixed_batches else []
-        budget -= len(decoding)
-        chunks, members = [], []
-        for active in self._prefill:
+        if cfg.mixed_batches:
+            budget -= len(self._decoding)
+        members = []
+        for active in list(self._prefill):
             if budget <= 0:
                 break
-            if not active.started:
-                if self._num_running >= cfg.max_running_requests:
-                    break
-                active.started = True
-                active.timing.prefill_start_s = start
-                self._num_running += 1
-            n = min(active.remaining, budget)
-            chunks.append(PrefillChunk(n, active.context, n == active.remaining))
+            if active.req.request_id not in self._running:
+                continue                           # preempted by an earlier chunk of this step
+            n = self._chunk(active, budget)
+            if n <= 0:
+                continue
+            if not self._grow(active, active.context + n, start):
+                break                              # preempted itself: nothing more this step
             members.append((active, n))
             budget -= n
+        members = [(a, n) for a, n in members if a.req.request_id in self._running]
+        decoding = self._decoding if cfg.mixed_batches else []
+        chunks = []
+        for active, n in members:
+            if not active.started:
+                active.started = True
+                if active.timing.prefill_start_s is None:
+                    active.timing.prefill_start_s = start
+            chunks.append(PrefillChunk(n, active.context, n == active.remaining))
+        if not chunks and not decoding:  # every prefill waits (chunk rule or preemption)
+            if self._decoding:
+                self._fast_forward_decode(start, limit)
+            return
         # chunks may be empty when decodes take the whole budget: then this is one decode-only step.
         dt = self.cost.step_time_s(chunks, len(decoding), self._decode_context_sum if decoding else 0)
         end = start + dt
@@ -393,28 +565,35 @@ class Engine:
         for active, n in members:
             active.remaining -= n
             active.context += n
+            active.timing.step_end_tokens.append(active.context)
             self.stats.prefill_tokens += n
         if decoding:
             events += self._advance_decodes(1, end)
-        while self._prefill and self._prefill[0].remaining == 0:
-            active = self._prefill.popleft()
-            self._first_token(active, end, events)
+        done = [a for a, _ in members if a.remaining == 0]
+        for active in done:
+            self._prefill.remove(active)
+            self._prefill_done(active, end, events)
         self._gpu_free = end
         self._emit(events, end)
 
-    def _first_token(self, active: _Active, t: float, events: list) -> None:
-        active.timing.first_token_s = t
-        events.append(EngineEvent(EventKind.FIRST_TOKEN, t, active.req.request_id, active.timing))
-        if active.req.output_num_tokens <= 1:
+    def _prefill_done(self, active: _Active, t: float, events: list) -> None:
+        """The prefill produced a token: the first one (TTFT), or the next one after a preemption."""
+        if active.timing.first_token_s is None:
+            active.timing.first_token_s = t
+            events.append(EngineEvent(EventKind.FIRST_TOKEN, t, active.req.request_id, active.timing))
+        if active.decode_left > 0:
+            active.decode_left -= 1
+            active.generated += 1
+        if active.decode_left <= 0:
             self._finish(active, t, events)
         else:
-            active.decode_left = active.req.output_num_tokens - 1
+            active.needs_decode_memory = True
             self._decoding.append(active)
             self._decode_context_sum += active.context
 
     def _finish(self, active: _Active, t: float, events: list) -> None:
         active.timing.finish_s = t
-        self._num_running -= 1
+        del self._running[active.req.request_id]
         self.stats.requests_finished += 1
         events.append(EngineEvent(EventKind.FINISHED, t, active.req.request_id, active.timing))
 
@@ -423,6 +602,7 @@ class Engine:
         events, still = [], []
         for active in self._decoding:
             active.decode_left -= num_steps
+            active.generated += num_steps
             active.context += num_steps
             if active.decode_left == 0:
                 self._decode_context_sum -= active.context - num_steps

@@ -20,10 +20,13 @@ queue behind each other; releasing 24 at once puts first-wave requests behind up
 prefills, a start-up artefact that filled half of the top 1% of TTFTs for every cached policy
 (`DEFAULT_STAGGER_S`). Later admissions are unchanged.
 
-Per request: `cache.begin_request` at arrival (match, pin, promote), the engine charges the restore
-of KV per tier + one checkpoint and the recompute of L - c tokens, `cache.finish_request` when the
-prefill completes (first token), and the bytes the cache wrote to CPU / SSD are charged to the
-links as background transfers. TTFT = first token - arrival.
+Per request: it arrives and waits until the policy's engine admits it into GPU memory
+(admission.py: SGLang's reserve rule or vLLM's block allocation with preemption); admission matches
+and pins the cache (`cache.begin_request`), promises the request's memory and starts the restore of
+KV per tier + one checkpoint; the engine charges the recompute of L - c tokens; when the last token
+is out the cache takes prompt and output pages with the states that engine keeps
+(`cache.finish_request`), and the bytes the cache wrote to CPU / SSD are charged to the links as
+background transfers. TTFT = first token - arrival.
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, Tier, make_cache
-from .costs import HardwareSpec, RooflineStepCost, get_hardware, get_model, restore_cost_tokens
+from ..core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, HybridPrefixCache, Tier, make_policy
+from .admission import CacheGate, engine_profile
+from .costs import (HardwareSpec, RooflineStepCost, attention_pair_tokens, get_hardware, get_model,
+                    restore_cost_tokens, vllm_hybrid_blocks)
 from .engine import Engine, EngineConfig, EngineRequest, EventKind
 from .metrics import PolicyRun, RequestRecord
 from .request import Workload
@@ -70,6 +75,7 @@ class ReplayConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline
     hardware_spec: Optional[HardwareSpec] = None  # overrides the `hardware` preset (other link speeds)
+    engine_name: Optional[str] = None  # serve every policy with this engine's scheduler (what-if); None: its own
 
     def __post_init__(self) -> None:
         if self.session_sampling not in SESSION_SAMPLINGS:
@@ -84,14 +90,21 @@ class ReplayConfig:
     def resolved_hardware(self) -> HardwareSpec:
         return self.hardware_spec if self.hardware_spec is not None else get_hardware(self.hardware)
 
-    def cache_config(self, page_num_tokens: int) -> CacheConfig:
+    def cache_config(self, page_num_tokens: int, policy=None) -> CacheConfig:
+        """The cache of `policy` (a `histate.core.Policy`): block-granular policies (vLLM) get the
+        model's hybrid block as their granularity and a state of whole blocks (costs.vllm_hybrid_blocks)."""
         model = get_model(self.model)
+        state_bytes, block_pages = model.checkpoint_size_bytes, 1
+        if policy is not None and policy.block_granular:
+            blocks = vllm_hybrid_blocks(model)
+            state_bytes, block_pages = blocks.state_size_bytes, max(1, blocks.block_num_tokens // page_num_tokens)
         hw = self.resolved_hardware()
         step_cost = self.step_cost or RooflineStepCost(model, hw)
         restore = {Tier(t): c for t, c in restore_cost_tokens(model, hw, step_cost).items()}
         return CacheConfig(
             page_num_tokens=page_num_tokens, kv_bytes_per_token=model.kv_bytes_per_token,
-            checkpoint_size_bytes=model.checkpoint_size_bytes,
+            checkpoint_size_bytes=state_bytes, block_pages=block_pages,
+            attention_pair_tokens=attention_pair_tokens(model),
             capacity_bytes={Tier.GPU: self.gpu_cache_bytes, Tier.CPU: self.cpu_cache_bytes,
                             Tier.SSD: self.ssd_cache_bytes},
             tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages, restore_cost_tokens=restore)
@@ -113,10 +126,14 @@ class _Replay:
                  observer=None):
         self.workload, self.config = workload, config
         self.page_num_tokens = workload.page_num_tokens
-        self.cache = make_cache(policy, config.cache_config(workload.page_num_tokens))
+        rules = make_policy(policy)
+        model = get_model(config.model)
+        self.cache = HybridPrefixCache(config.cache_config(workload.page_num_tokens, rules), rules)
+        self.profile = engine_profile(rules, model, config.engine, workload.page_num_tokens, config.engine_name)
         self.cache.observer = observer
-        self.observer = observer  # an explain.EvictionLog: told which request each cache call serves
-        self.engine = Engine(get_model(config.model), config.resolved_hardware(), config.engine, config.step_cost)
+        self.observer = observer  # an explain.EvictionLog: the gate tells it which request each cache call serves
+        self.gate = CacheGate(self.cache, self.profile, self._charge_writes, observer)
+        self.engine = Engine(model, config.resolved_hardware(), self.profile.engine, config.step_cost, self.gate)
         self.policy = policy
         self.on_request_done = on_request_done
         self.arrivals: list = []  # heap of (time_s, seq, _SessionRun, Request)
@@ -124,7 +141,7 @@ class _Replay:
         self.runs: dict = {}
         self.children: dict = {}  # (session_id, spawn index) -> [child Session]
         self.pending_roots: dict = {}  # root id -> sessions of its tree not yet done
-        self.in_flight: dict = {}  # uid -> (lease, positions, record)
+        self.in_flight: dict = {}  # uid -> (record, session run)
         self.records: list = []
         self.written = {Tier.CPU: 0, Tier.SSD: 0}
         self.queue = admission_order(workload, config)[::-1]  # pop() from the end = next in order
@@ -143,14 +160,15 @@ class _Replay:
                     if ev.kind is EventKind.FIRST_TOKEN:
                         self._on_first_token(ev.request_id, ev.time_s)
                     else:
-                        self._on_finished(ev.request_id, ev.time_s)
+                        self._on_finished(ev.request_id, ev.timing, ev.time_s)
                 continue
             if not self.arrivals:
                 break
             t, _, run, req = heapq.heappop(self.arrivals)
             self._on_arrival(run, req, t)
         return PolicyRun(self.policy, self.records, self.cache.stats,
-                         {"ssd": self.engine.ssd.stats, "h2d": self.engine.h2d.stats}, time.perf_counter() - t0)
+                         {"ssd": self.engine.ssd.stats, "h2d": self.engine.h2d.stats, "engine": self.engine.stats,
+                          "admission": self.gate.stats, "scheduler": self.profile.name}, time.perf_counter() - t0)
 
     # --- sessions ------------------------------------------------------------------------------
 
@@ -199,31 +217,23 @@ class _Replay:
     # --- requests ------------------------------------------------------------------------------
 
     def _on_arrival(self, run: _SessionRun, req, t: float) -> None:
-        if self.observer is not None:
-            self.observer.set_request(req.uid)
-        lease = self.cache.begin_request(req.page_keys, t)
-        positions = self.cache.plan_checkpoints(lease)
-        m = lease.match
-        P = self.page_num_tokens
-        reused = min(m.num_reused_pages * P, req.input_num_tokens)
-        timing = self.engine.submit(EngineRequest(
-            req.uid, req.input_num_tokens - reused, req.input_num_tokens, req.output_num_tokens,
-            m.kv_bytes_by_tier, m.checkpoint_size_bytes, m.checkpoint_tier), t)
-        record = RequestRecord(req.uid, req.session_id, int(req.flags), t, req.input_num_tokens,
-                               m.num_kv_pages * P, reused, timing.restore_transfer_s, session_index=req.index)
-        self.in_flight[req.uid] = (lease, positions, record, run)
-        self._charge_writes(t)
+        self.gate.register(req)
+        self.in_flight[req.uid] = (RequestRecord(req.uid, req.session_id, int(req.flags), t, req.input_num_tokens,
+                                                 0, 0, session_index=req.index), run)
+        L = req.input_num_tokens
+        self.engine.submit(EngineRequest(req.uid, L, L, req.output_num_tokens), t)
 
     def _on_first_token(self, uid, t: float) -> None:
-        if self.observer is not None:
-            self.observer.set_request(uid)
-        lease, positions, record, _ = self.in_flight[uid]
-        self.cache.finish_request(lease, None, t, positions)
-        record.first_token_s = t
-        self._charge_writes(t)
+        self.in_flight[uid][0].first_token_s = t
 
-    def _on_finished(self, uid, t: float) -> None:
-        _, _, record, run = self.in_flight.pop(uid)
+    def _on_finished(self, uid, timing, t: float) -> None:
+        record, run = self.in_flight.pop(uid)
+        match = self.gate.first_match(uid)  # what the request reused at its first admission
+        self.gate.finish(uid, timing.step_end_tokens, t)
+        P = self.page_num_tokens
+        record.kv_hit_tokens = match.num_kv_pages * P
+        record.reused_tokens = min(match.num_reused_pages * P, record.input_tokens)
+        record.restore_s = timing.restore_transfer_s
         record.completion_s = t
         self.records.append(record)
         self.on_request_done()

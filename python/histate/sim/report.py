@@ -25,6 +25,11 @@ def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi")
     for name, run in runs.items():
         summaries[name]["cohort_recovered_fraction"] = recovered_fraction(runs, name, cohort)
         summaries[name]["replay_wall_s"] = run.wall_s
+        if "engine" in run.engine_stats:  # memory pressure: requests that waited or were preempted
+            summaries[name]["engine"] = run.engine_stats["scheduler"]
+            summaries[name]["admissions_deferred"] = run.engine_stats["engine"].admissions_deferred
+            summaries[name]["preemptions"] = run.engine_stats["engine"].preemptions
+            summaries[name]["admission_overcommits"] = run.engine_stats["admission"].overcommits
         if cohort:
             summaries[name]["cohort_ttft_mean_s"] = summarize(run, cohort)["ttft_mean_s"]
     return {"policies": summaries, "speedup_vs_" + baseline: speedups(summaries, baseline),

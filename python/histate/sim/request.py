@@ -67,6 +67,16 @@ class Request:
     def num_pages(self) -> int:
         return len(self.page_keys)
 
+    def keys_through(self, num_pages: int) -> tuple:
+        """The first `num_pages` page keys of prompt + output, as an engine caches them at finish:
+        the prompt's keys, the output pages the workload knows (`output_page_keys`: a later request
+        that carries this output matches them), then keys of this request's own for output pages
+        no later request shares (("out", uid, page): deterministic, never equal to another key)."""
+        keys = (self.page_keys + self.output_page_keys)[:num_pages]
+        if len(keys) < num_pages:
+            keys += tuple(("out", self.uid, i) for i in range(len(keys), num_pages))
+        return keys
+
     @property
     def is_mutation(self) -> bool:
         return bool(self.flags & RequestFlag.MUTATION)

@@ -1,19 +1,21 @@
 """The policy interface: what differs between HiState, its ablations and the baselines.
 
 A policy is a small class: a few flags (which tiers, inclusive or exclusive placement, where
-historical checkpoints go, refresh rule, static split) and two decisions:
+historical checkpoints go, refresh rule, static split, hit granularity) and two decisions:
   admit(ctx)                   -> checkpoint depths (pages) for a request's new segment
   score(ctx, node, unit, bit)  -> eviction priority; the lowest is evicted first. `ctx` is a
                                   `ScoringContext` (never the cache); `node` anything with the core
                                   node's read-only shape (docs/core-api.md). Contract: a score is never
                                   below the unit's last access time (GreedyDual form t + non-negative
                                   term), which lets the victim heap rank lazily (victims.py).
+A policy whose score needs the whole candidate set (Marconi's min-max normalisation) sets
+`scan_victims` and implements `choose_victim` instead; the evictor then scans the pool.
 Policies never mutate the tree; the cache applies their decisions (docs/policies.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
@@ -31,6 +33,8 @@ class AdmissionContext:
     config: object  # CacheConfig
     now_s: float = 0.0
     near_end_probs: tuple = ()  # learned reuse-position prior near the segment's end (PolicyState)
+    step_end_pages: tuple = ()  # where the executor's prefill forward passes ended (pages, ascending)
+    output_end_pages: Optional[int] = None  # pages holding KV at finish (prompt + output); None: no output
 
 
 class Policy:
@@ -39,9 +43,16 @@ class Policy:
     write_through = False  # True: every new item is copied down all tiers (inclusive, LRU offload)
     historical_tier: Optional[Tier] = None  # tier for non-terminal checkpoints at creation
     refresh_all = False  # on a checkpoint hit, refresh every checkpoint above it on the path
+    refresh_matched_only = False  # a hit (and an insert) refreshes only the matched node (Marconi)
     partitioned = False  # static KV/state split per tier (SGLang); else one shared pool per tier
+    shared_pool_tiers: tuple = ()  # tiers a partitioned policy still pools (SGLang's L3 file store)
     dense_checkpoints = False  # `unlimited`: a state at every page boundary
     unbounded = False  # ignore configured capacities
+    block_granular = False  # hits, states and inserted KV in whole `config.block_pages` blocks (vLLM)
+    kv_ends_at_last_state = False  # inserted KV stops at the deepest new state (SGLang's insert)
+    state_evicts_leaf = False  # a state evicted from a tier leaf takes that leaf's KV copy (SGLang)
+    scan_victims = False  # choose victims by scanning the pool (`choose_victim`), not by heap order
+    engine = "sglang"  # whose scheduler serves it in the simulator: "sglang" or "vllm" (sim/admission.py)
     learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
     charges_demotions = False  # eq. 7's C of a demoted unit is its transfer, not its recompute (units.py)
     estimates_residence_by_flow = True  # Little's-law T_KV / T_state before residences are observed
@@ -52,6 +63,11 @@ class Policy:
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         return last_access_s(node, unit, bit)
 
+    def choose_victim(self, ctx: ScoringContext, candidates: Sequence[tuple], now_s: float) -> Optional[int]:
+        """Index into `candidates` ((node, unit, tier index) of one pool, none pinned) of the unit to
+        evict, or None if none may go. Only called when `scan_victims` is set."""
+        raise NotImplementedError
+
 
 # --- admission rules shared by several bundles -------------------------------------------------
 
@@ -60,15 +76,45 @@ def terminal_only(ctx: AdmissionContext) -> list[int]:
     return [ctx.end_pages] if ctx.end_pages > ctx.start_pages else []
 
 
+def branch_point(ctx: AdmissionContext) -> list[int]:
+    """The observed branch-off point, where the request leaves the cached path inside the segment
+    (Marconi's insight; SGLang's `mamba_branching_seqlen`, unified_cache/components/mamba.py:175-194)."""
+    return [ctx.kv_match_pages] if ctx.start_pages < ctx.kv_match_pages < ctx.end_pages else []
+
+
 def terminal_and_branch(ctx: AdmissionContext) -> list[int]:
     """Marconi admission: the request end plus the branch-off point where it leaves the tree."""
-    positions = terminal_only(ctx)
-    if ctx.start_pages < ctx.kv_match_pages < ctx.end_pages:
-        positions.insert(0, ctx.kv_match_pages)
-    return positions
+    return branch_point(ctx) + terminal_only(ctx)
 
 
 def fixed_grid(ctx: AdmissionContext, interval_pages: int) -> list[int]:
     """A state every `interval_pages` (absolute grid) plus the terminal one."""
     first = (ctx.start_pages // interval_pages + 1) * interval_pages
     return list(range(first, ctx.end_pages, interval_pages)) + terminal_only(ctx)
+
+
+def step_ends(ctx: AdmissionContext) -> list[int]:
+    """Where the prefill's forward passes ended, as the executor reported them; without a report,
+    chunks of `config.chunk_pages` from the reused prefix (a lone request's chunked prefill)."""
+    if ctx.step_end_pages:
+        return [p for p in ctx.step_end_pages if ctx.start_pages < p <= ctx.end_pages]
+    chunk = ctx.config.chunk_pages
+    return list(range(ctx.start_pages + chunk, ctx.end_pages, chunk)) + terminal_only(ctx)
+
+
+def last_decode_state(ctx: AdmissionContext, grid_pages: int) -> list[int]:
+    """The deepest decode position on an absolute `grid_pages` grid that the output crossed: the one
+    state a finished request donates when decode tracks states on a grid (SGLang)."""
+    if ctx.output_end_pages is None:
+        return []
+    deepest = ctx.output_end_pages // grid_pages * grid_pages
+    return [deepest] if deepest > ctx.end_pages else []
+
+
+def decode_crossings(ctx: AdmissionContext, grid_pages: int) -> list[int]:
+    """Every grid position the output crossed (vLLM align mode caches the state at each block
+    boundary decode crosses)."""
+    if ctx.output_end_pages is None:
+        return []
+    first = ctx.end_pages // grid_pages * grid_pages + grid_pages
+    return list(range(first, ctx.output_end_pages + 1, grid_pages))

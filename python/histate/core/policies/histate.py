@@ -8,11 +8,15 @@ histate-paper      the paper's rules exactly: uniform interior prior, C = recomp
 histate-align      admission replaced by vLLM's align rule (terminal state only)
 histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
+
+HiState runs on SGLang's scheduler (`--enable-histate`): like `sglang-hicache`, a finished request
+donates the last state decode tracked on the 256-token grid, and the insert stops at the deepest state
+(sglang_hicache.py). Its planned prompt positions are all captured (sglang_plugin/chunking.py).
 """
 from __future__ import annotations
 
 from . import register_policy
-from .base import AdmissionContext, Policy, fixed_grid, terminal_only
+from .base import AdmissionContext, Policy, branch_point, fixed_grid, last_decode_state, terminal_only
 from ..scoring import ScoringContext
 from ..types import Tier, UnitKind
 from ..units import expected_cost_tokens, last_access_s, reclaim_tokens
@@ -24,14 +28,16 @@ class HiState(Policy):
     tiers = (Tier.GPU, Tier.CPU, Tier.SSD)
     historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
     refresh_all = True
+    kv_ends_at_last_state = True
     learns_reuse_positions = True
     charges_demotions = True
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
-        positions = ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs)
-        if ctx.start_pages < ctx.kv_match_pages < ctx.end_pages:  # an observed branch point
-            positions = sorted(set(positions) | {ctx.kv_match_pages})
-        return positions
+        return sorted(set(self.prompt_states(ctx)) | set(last_decode_state(ctx, ctx.config.decode_track_pages)))
+
+    def prompt_states(self, ctx: AdmissionContext) -> list[int]:
+        """Eq. 5 intervals over the new segment, the terminal, and the observed branch point."""
+        return ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs) + branch_point(ctx)
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         cost = expected_cost_tokens(node, unit, bit, ctx)
@@ -51,7 +57,7 @@ class HiStatePaper(HiState):
 class HiStateAlign(HiState):
     name = "histate-align"
 
-    def admit(self, ctx: AdmissionContext) -> list[int]:
+    def prompt_states(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)
 
 
@@ -59,7 +65,7 @@ class HiStateAlign(HiState):
 class HiStateFixed32(HiState):
     name = "histate-fixed32"
 
-    def admit(self, ctx: AdmissionContext) -> list[int]:
+    def prompt_states(self, ctx: AdmissionContext) -> list[int]:
         return fixed_grid(ctx, ctx.config.fixed_interval_pages)
 
 

@@ -1,14 +1,28 @@
-"""vLLM baselines (paper §4.1).
+"""vLLM baselines (paper §4.1), vLLM v1 in `mamba_cache_mode="align"` (vllm-project/vllm:
+v1/core/sched/scheduler.py@00024d3, v1/core/single_type_kv_cache_manager.py@129ab7c).
 
-vllm-marconi  vLLM align mode with Marconi's turn-boundary admission (request end + branch-off
-              point), one shared GPU page pool for KV and states, block LRU.
+Granularity: the hybrid allocator pads the attention block until one page holds a layer's recurrent
+state (`HybridAttentionMambaModelConfig.verify_and_update_config`: 576 tokens for Qwen3.5-9B) and
+hashes, caches and hits whole blocks (`FullAttentionManager.find_longest_cache_hit`: max_length //
+block_size); a state takes one block in each mamba group (3 blocks for Qwen3.5-9B). Block size and
+state size come from the model (`histate.sim.costs.vllm_hybrid_blocks`).
+
+Which states exist: align mode ends every prefill step on a block boundary and forces a step end at
+the last block boundary of the prompt (`Scheduler._mamba_block_aligned_split`); the state at each step
+end stays cached after the request moves on (`MambaManager.remove_skipped_blocks` frees it to the
+block pool, where it remains hashed until reused); decode caches the state at every block boundary
+it crosses (`MambaManager.allocate_new_blocks`). Plus Marconi's branch-off point (the paper's
+turn-boundary admission; newer vLLM's shared-prefix junction). Full KV blocks of prompt and output
+are cached. Eviction: block LRU.
+
+vllm-marconi  one shared GPU block pool for KV and states.
 vllm-cpu      the same plus write-through offload to CPU DRAM, LRU in every tier.
 vllm-disk     the same plus write-through offload to CPU DRAM and disk.
 """
 from __future__ import annotations
 
 from . import register_policy
-from .base import AdmissionContext, Policy, terminal_and_branch
+from .base import AdmissionContext, Policy, branch_point, decode_crossings, step_ends
 from ..types import Tier
 
 
@@ -16,9 +30,11 @@ from ..types import Tier
 class VllmMarconi(Policy):
     name = "vllm-marconi"
     tiers = (Tier.GPU,)
+    block_granular = True
+    engine = "vllm"
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
-        return terminal_and_branch(ctx)
+        return step_ends(ctx) + branch_point(ctx) + decode_crossings(ctx, ctx.config.block_pages)
 
 
 @register_policy
