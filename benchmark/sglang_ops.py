@@ -29,18 +29,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TEST_SGLANG = os.path.join(ROOT, "test", "sglang")
 
 
 def _import_sglang_on_cpu() -> None:
-    """SGLang imports triton unconditionally; on a CPU-only box use the test bootstrap's stubs."""
+    """SGLang imports triton unconditionally; on a CPU-only box install the CPU stubs the tests use
+    (sglang_cpu/stubs.py, shared by both; never reachable from the histate package)."""
+    sys.path.insert(0, ROOT)
     if importlib.util.find_spec("triton") is None:
-        sys.path.insert(0, TEST_SGLANG)
-        import _sglang_cpu_stubs
+        from sglang_cpu import stubs
 
-        _sglang_cpu_stubs.install()
-    else:
-        sys.path.insert(0, TEST_SGLANG)
+        stubs.install()
 
 
 def _tokens_for(token_of: dict, page_keys, page_tokens: int) -> list[int]:
@@ -63,7 +61,7 @@ def _sglang_positions(reused: int, total: int, kv_match: int, chunk_tokens: int,
 def run_once(args, mode: str) -> dict:
     import torch
 
-    from _urc_fixtures import QWEN35_LIKE_STATE, TINY_STATE, Driver, ManualClock, build_cache, build_pools, \
+    from sglang_cpu.pools import QWEN35_LIKE_STATE, TINY_STATE, Driver, ManualClock, build_cache, build_pools, \
         publish_server_args
     from histate.sim.workloads import AgentWorkloadConfig, agent_workload
     from histate.sglang_plugin.config import resolve_config
@@ -118,7 +116,7 @@ def run_once(args, mode: str) -> dict:
     evictions = histate_cache.histate.metrics.totals
     return {"mode": mode, "requests": len(requests), "cost_ns": cost_ns, "ops": ops, "reused": reused,
             "input_tokens": input_tokens,
-            "histate_evictions": (evictions[("evictions_total", "checkpoint")], evictions[("evictions_total", "bundle")])}
+            "histate_evictions": (evictions[("evictions_total", "checkpoint", "device")], evictions[("evictions_total", "bundle", "device")])}
 
 
 def _pct(values, q):

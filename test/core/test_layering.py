@@ -87,3 +87,39 @@ def test_executors_import_only_the_cores_public_names():
                 offenders.append(f"{path.name}:{lineno} imports {module} {names}")
     assert not offenders, "imports of histate.core outside its __all__:\n" + "\n".join(offenders)
 
+
+
+def test_nothing_outside_the_test_suite_imports_test_modules():
+    """Benchmarks and the package must not depend on test/ (its CPU stubs are a test bootstrap only)."""
+    root = CORE.parents[2]
+    test_modules = {p.stem for p in (root / "test").rglob("*.py")} - {"__init__", "conftest"}
+    offenders = []
+    for path in list((root / "python").rglob("*.py")) + list((root / "benchmark").glob("*.py")):
+        source = path.read_text()
+        if "sys.path" in source and "test" in source and ("insert" in source or "append" in source):
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                    hit = [n for n in names if n.split(".")[0] in test_modules or n.startswith("test.")]
+                    if hit:
+                        offenders.append(f"{path.relative_to(root)}:{node.lineno} imports {hit}")
+    assert not offenders, "modules outside test/ import test code:\n" + "\n".join(offenders)
+
+
+def test_the_package_never_reaches_the_cpu_stubs():
+    """The triton/torchvision stubs (sglang_cpu/) are for tests and benchmarks: no histate module
+    imports them, so a server never runs on stubs."""
+    package = CORE.parent
+    offenders = [f"histate/{p.relative_to(package)}" for p in package.rglob("*.py")
+                 if "sglang_cpu" in _top_level_imports(p) | {n.split(".")[0] for n in _all_imports(p)}]
+    assert not offenders, offenders
+
+
+def _all_imports(path: Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names

@@ -90,7 +90,7 @@ def _share(obj: Any) -> tuple:
 def snapshot(cache: Any, allocator: Any, req_to_token_pool: Any, *, share_tensors: bool = True) -> Iterator[tuple]:
     """A copy of (cache, allocator, req_to_token_pool) for a destructive probe.
 
-    With `share_tensors`, the object graph (tree, ledgers, ranker, allocators, pools) is copied
+    With `share_tensors`, the object graph (tree, ledgers, victim heaps, allocators, pools) is copied
     by a pickle round trip (several times faster than `copy.deepcopy` on it; modules and the KV
     pool object are shared) and tensors are shared,
     not copied: on SGLang's separate KV and state pools eviction only moves slot-id tensors
@@ -143,7 +143,7 @@ def assert_evict_frees_what_the_ledger_reports(cache: Any, allocator: Any, req_t
 
 
 def assert_histate_invariants(cache: Any) -> None:
-    """HiState's own checks: every current eviction unit is offered to the ranker (H4)."""
+    """HiState's own checks: every unit SGLang could evict is offered to the victim heaps (H4)."""
     if isinstance(cache, HiStateRadixCache):
-        cache.histate.ranker.check_offered()
+        cache.histate.victims.check_offered()
 

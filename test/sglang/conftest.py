@@ -1,7 +1,7 @@
 """Session bootstrap for the SGLang plugin tests (CPU only, real SGLang classes).
 
 * Skips this directory when SGLang is not installed (`make venv` installs it --no-deps).
-* Installs the triton/torchvision stubs (test-only; see _sglang_cpu_stubs.py) before anything
+* Installs the triton/torchvision stubs (test and benchmark only; see sglang_cpu/stubs.py) before anything
   imports sglang, pins torch to one thread, and loads SGLang's plugins once per session
   (importing SGLang alone takes seconds, so every test shares this one bootstrap).
 * Clears HISTATE_* env vars around each test so the env-var path is tested explicitly.
@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 if importlib.util.find_spec("sglang") is None:  # pragma: no cover - environment without SGLang
     collect_ignore_glob = ["test_*.py"]
 else:
-    sys.path.insert(0, HERE)
-    import _sglang_cpu_stubs  # noqa: E402
+    from sglang_cpu import stubs  # noqa: E402  (pytest puts the repository root on sys.path: test/ is a package)
 
-    _sglang_cpu_stubs.install()
+    stubs.install()
     import torch  # noqa: E402
 
     torch.set_num_threads(1)

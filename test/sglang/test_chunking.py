@@ -9,7 +9,7 @@ import pytest
 from histate.sglang_plugin.chunking import align_chunk_end, count_prefill_passes
 
 from ._scheduler_round import prefill_round
-from ._urc_fixtures import PAGE, build_cache, build_pools, publish_server_args
+from sglang_cpu.pools import PAGE, build_cache, build_pools, publish_server_args
 
 PLAN = [3072, 6144, 9216, 12288, 15360, 18432, 20480]  # interval 3072 over a 20480-token prompt
 

@@ -1,44 +1,29 @@
-"""Host and SSD tiers: HiState's host sizing, the `dynamic` storage backend, SSD-only matches.
+"""Host and SSD tiers: HiState's host sizing, the `dynamic` storage backend, SSD checkpoint restores.
 
-HiCache's device<->host copies need CUDA kernels; here host pools are built for real (pinning
-mocked, as SGLang does on machines without CUDA) and the copies go through `FakeMambaTransfer`,
-a stand-in for the transfer controller that moves bytes with torch on the CPU.
+SGLang's HiCache runs for real on CPU (sglang_cpu/hicache.py): host pools, controller, acks, the
+storage backup thread, HiState's backend. Only the D<->H data plane is a stand-in
+(`FakeL2TransferEngine`: transfers complete at once, states are copied with torch, KV is not).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from unittest import mock
+import threading
+import time
 
 import pytest
 import torch
 
+from histate.core import CPU_BIT, GPU_BIT, SSD_BIT, Tier
 from histate.sglang_plugin.config import resolve_config
-from histate.sglang_plugin.host_stack import GB, histate_build_scope, histate_host_split, install_host_policy, \
-    stock_host_split
+from histate.sglang_plugin.core_nodes import core_of
+from histate.sglang_plugin.host_stack import GB, histate_host_split, stock_host_split
 from histate.sglang_plugin.server_settings import storage_extra_config
 
-from ._urc_fixtures import PAGE, Driver, ManualClock, build_cache, build_pools, cache_params, publish_server_args
-
-HICACHE_ARGS = dict(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_mem_layout="page_first",
-                    hicache_io_backend="direct", hicache_write_policy="write_through")
-
-
-@contextmanager
-def _no_cuda_pinning():
-    import sglang.srt.mem_cache.pool_host.common as host_common
-
-    with mock.patch.object(host_common, "_cuda_host_register", lambda *a, **k: None):
-        yield
+from sglang_cpu.hicache import build_hicache, drain_backups, request
+from sglang_cpu.pools import PAGE, Driver, ManualClock, build_pools, key
 
 
 def _with_host_tier(kind, pools, **kwargs):
-    server_args = publish_server_args(**HICACHE_ARGS)
-    cache = build_cache(kind, pools, **kwargs)
-    install_host_policy()
-    with _no_cuda_pinning(), histate_build_scope(resolve_config({"enable": True}, {}) if kind == "histate" else None):
-        cache.init_hicache(server_args, cache_params(pools))
-    cache.write_through_threshold = 1 << 30  # no automatic D->H backups (they need CUDA kernels)
-    return cache
+    return build_hicache(kind, pools, write_through_threshold=1 << 30, **kwargs)  # no automatic D->H backups
 
 
 def _host_pools(cache):
@@ -162,29 +147,17 @@ def test_storage_faults_are_misses(backend):
     assert backend.batch_set(["k"], [page]) and torch.equal(backend.get("k", torch.zeros(64)), page)
 
 
-# --- SSD-only checkpoints are usable matches ----------------------------------------------------
+# --- SSD-only checkpoints: restored off the scheduler thread, for requests about to be admitted ------
 
-class FakeMambaTransfer:
-    """Device <-> host state copies in torch on the CPU (the CUDA controller's job in a server)."""
-
-    def __init__(self, pools, host_pool):
-        self.device = pools.mamba_pool.mamba_cache
-        self.host = host_pool
-
-    def _pairs(self, device_slot, host_slot):
-        yield self.device.temporal[:, device_slot], self.host.temporal_buffer[host_slot][:, 0]
-        for dev, host in zip(self.device.conv, self.host.conv_buffer):
-            yield dev[:, device_slot], host[host_slot][:, 0]
-
-    def backup(self, device_slot, host_slot):
-        for dev, host in self._pairs(device_slot, host_slot):
-            host.copy_(dev)
-
-    def device_bytes(self, device_slot):
-        return torch.cat([d.contiguous().view(torch.uint8).reshape(-1) for d, _ in self._pairs(device_slot, 0)])
+def _ssd_cache(tmp_path, pools, clock):
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": "64MiB"}, {})
+    return build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
+                         clock=clock)
 
 
-def _drop(cache, node, layer):
+def _drop_state(cache, node, layer):
+    """Remove one copy of `node`'s state with SGLang's own primitive (what a walk does)."""
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import BaseEvictionResult
 
@@ -193,61 +166,145 @@ def _drop(cache, node, layer):
         node, cache.components[ComponentType.MAMBA], result.device_frees, result.host_frees,
         result.cache_actions, target=layer)
     cache._apply_eviction_result(result)
+    cache.tree_core._update_evictable_leaf_sets(node)
 
 
-def test_ssd_only_checkpoint_is_restored_through_the_storage_backend(sglang_plugins, backend):
+def _state_bytes(tensors):
+    return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in tensors])
+
+
+def _request(tokens):
+    return request(f"r{tokens[-1]}", tokens)
+
+
+def _ssd_only_checkpoint(tmp_path, pools, clock):
+    """A 16-page prompt with states at 4, 8 and 16 pages, written through to SSD; then the state at 4
+    pages loses its device and host copies. Returns (cache, tokens, that node, its state's bytes)."""
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
     from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
-    from ._urc_fixtures import key
-
-    pools = build_pools(1024, 8)
-    cache = _with_host_tier("histate", pools, clock=ManualClock(1.0))
-    _, state_host = _host_pools(cache)
-    backend.register_mem_host_pool_v2(state_host, PoolName.MAMBA)
-    cache.attach_ssd(backend)
+    cache = _ssd_cache(tmp_path, pools, clock)
     tokens = list(range(500, 500 + 16 * PAGE))
     Driver(cache, pools).serve(tokens, [4 * PAGE, 8 * PAGE, 16 * PAGE], state_fill=lambda pos: pos / 8)
+    drain_backups(cache)
     node = cache.tree_core.node_by_id(cache.match_prefix(MatchPrefixParams(key=key(tokens[:4 * PAGE]))).last_device_node)
-    for n in cache.tree_core._node_arena.values():  # SGLang fills these once a storage backend is attached
-        if n.parent is not None:
-            n.hash_value = [f"page{t}" for t in range(4 * PAGE - len(n.key), 4 * PAGE, PAGE)] if n is node else ["x"]
-    # Write-through path: device -> host (fake controller) -> SSD (the backend's v2 call).
-    transfer = FakeMambaTransfer(pools, state_host)
+    assert core_of(node).ckpt_mask == GPU_BIT | CPU_BIT | SSD_BIT  # device -> host -> SSD, as in a server
     device_slot = int(node.component_data[2].value[0])
-    expected = transfer.device_bytes(device_slot).clone()
-    staging = state_host.alloc(1)
-    transfer.backup(device_slot, int(staging[0]))
-    node.component_data[2].host_value = staging.clone()
-    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=staging,
-                                              keys=[node.hash_value[-1]])])[PoolName.MAMBA] == [True]
-    _drop(cache, node, EvictLayer.DEVICE)  # sparsified on the device ...
-    _drop(cache, node, EvictLayer.HOST)  # ... and the staging slot recycled: only the SSD copy is left
+    state = pools.mamba_pool.mamba_cache
+    expected = _state_bytes([state.temporal[:, device_slot], *(c[:, device_slot] for c in state.conv)]).clone()
+    _drop_state(cache, node, EvictLayer.DEVICE)  # sparsified on the device ...
+    _drop_state(cache, node, EvictLayer.HOST)  # ... and the host staging slot recycled: only SSD is left
     cache.sanity_check()
-    assert cache.histate.checkpoint_tier(node) == "storage"
+    assert core_of(node).ckpt_mask == SSD_BIT
+    return cache, tokens, node, expected
 
-    probe = tokens[:6 * PAGE] + [1] * PAGE  # a hit inside the request, past the SSD checkpoint
-    result = cache.match_prefix(MatchPrefixParams(key=key(probe)))
-    assert cache.tree_core.node_by_id(result.best_match_node) is node
-    assert result.device_prefix_len == 4 * PAGE  # restored to the device: an ordinary device hit
-    restored_slot = int(node.component_data[2].value[0])
-    assert torch.equal(transfer.device_bytes(restored_slot), expected)  # byte-exact restore
-    assert cache.histate.metrics.totals["ssd_read_bytes_total"] == expected.numel()
+
+def test_ssd_only_checkpoint_is_restored_off_the_scheduler_thread(sglang_plugins, tmp_path):
+    """Matches (every waiting request, every round) never touch the disk; the scheduler's admission
+    check (`check_prefetch_progress`) starts one read on an I/O thread and holds the request until it
+    landed in a host slot; the next match is a host hit that SGLang's load-back brings to the device."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = build_pools(1024, 8)
+    cache, tokens, node, expected = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
+    state, config = cache.histate.state, cache.histate.core_config
+    written = 16 * PAGE * config.kv_bytes_per_token + 3 * config.checkpoint_size_bytes  # the prompt, 3 states
+    assert state.state_home_tier is Tier.SSD  # Little's law: inflows to the device and to SSD, home of states
+    assert state.controller.kv_flow.bytes_in == state.controller.state_flow.bytes_in == written
+    backend = cache.histate.ssd_tier.backend
+    readers = []
+    read_state = backend.read_state
+    backend.read_state = lambda *a, **k: (readers.append(threading.current_thread().name), read_state(*a, **k))[1]
+
+    req = _request(tokens[:6 * PAGE] + [1] * PAGE)  # a hit inside the request, past the SSD checkpoint
+    for _ in range(3):  # waiting-queue rounds: matches only
+        req.init_next_round_input(cache)
+        assert req.prefix_len == 0 and req.host_hit_length == 0
+    assert readers == []
+    rounds = 0
+    while not cache.check_prefetch_progress(req.cache_request_handle):  # held while the read runs
+        rounds += 1
+        time.sleep(0.002)
+    assert rounds >= 1 and readers == ["histate-ssd-restore_0"]
+    host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
+    host_slot = int(node.component_data[2].host_value[0])
+    restored = _state_bytes([host_pool.temporal_buffer[host_slot][:, 0], *(c[host_slot][:, 0] for c in host_pool.conv_buffer)])
+    assert torch.equal(restored, expected)  # byte-exact SSD -> host
+    assert cache.histate.metrics.totals[("ssd_restores_total", "ok")] == 1
+
+    req.init_next_round_input(cache)  # admission: an ordinary host hit of SGLang's
+    assert cache.tree_core.node_by_id(req.best_match_node) is node and req.mamba_host_hit_length >= 1
+    loaded = cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
+                                                     host_hit_length=req.host_hit_length, req=req))
+    cache.ready_to_load_host_cache()  # the scheduler starts the batch's H->D loads (layer by layer)
+    cache.check_hicache_events()
+    assert loaded is not None and node.component_data[2].value is not None  # on the device again
+    device_slot = int(node.component_data[2].value[0])
+    state = pools.mamba_pool.mamba_cache
+    assert torch.equal(_state_bytes([state.temporal[:, device_slot], *(c[:, device_slot] for c in state.conv)]), expected)
     cache.sanity_check()
+    cache.histate.victims.check_offered()
 
-    # A fault on the next restore is a miss, never a wrong result.
-    _drop(cache, node, EvictLayer.DEVICE)
+
+def test_a_faulty_ssd_checkpoint_is_a_miss_and_leaves_the_tier(sglang_plugins, tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = build_pools(1024, 8)
+    cache, tokens, node, _ = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
+    backend = cache.histate.ssd_tier.backend
     entry = backend.store._index.get(backend.store_key("mamba", node.hash_value[-1]))
     with open(entry.path, "r+b") as f:  # the index still lists it; its bytes are damaged
         f.seek(entry.header.header_bytes)
         f.write(b"\xff" * 8)
-    free_slots = pools.mamba_allocator.available_size()
-    result = cache.match_prefix(MatchPrefixParams(key=key(probe)))
-    assert cache.tree_core.node_by_id(result.best_match_node) is cache.tree_core.root_node
-    assert result.device_prefix_len == 0 and pools.mamba_allocator.available_size() == free_slots
-    assert not backend.has_state(node.hash_value[-1])  # the store dropped the corrupt object
+    host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
+    free_slots = host_pool.available_size()
+    req = _request(tokens[:6 * PAGE] + [1] * PAGE)
+    req.init_next_round_input(cache)
+    while not cache.check_prefetch_progress(req.cache_request_handle):
+        time.sleep(0.002)
+    assert core_of(node).ckpt_mask == 0 and host_pool.available_size() == free_slots  # a miss; nothing leaked
+    assert cache.histate.metrics.totals[("ssd_restores_total", "miss")] == 1
+    req.init_next_round_input(cache)
+    assert req.prefix_len == 0 and req.host_hit_length == 0  # the request recomputes: never a wrong state
     cache.sanity_check()
+    cache.histate.victims.check_offered()
+
+
+def test_an_aborted_request_releases_its_restore(sglang_plugins, tmp_path):
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = build_pools(1024, 8)
+    cache, tokens, node, _ = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
+    host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
+    free_slots = host_pool.available_size()
+    req = _request(tokens[:6 * PAGE] + [1] * PAGE)
+    req.init_next_round_input(cache)
+    assert not cache.check_prefetch_progress(req.cache_request_handle)
+    cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)  # the scheduler's abort path
+    cache.histate.ssd_tier._reader.submit(lambda: None).result()  # the read has ended
+    cache.check_hicache_events()
+    assert host_pool.available_size() == free_slots and core_of(node).ckpt_mask == SSD_BIT
+    assert all(data.lock_ref == 0 for data in node.component_data)
+    cache.sanity_check()
+
+
+def test_runtime_detach_stops_using_the_store(sglang_plugins, tmp_path):
+    """SGLang's runtime detach (`/detach_hicache_storage_backend`) closes the backend; HiState drops
+    its SSD tier first, so nothing reads or scores a closed store afterwards."""
+    pools = build_pools(1024, 8)
+    cache, tokens, node, _ = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
+    ok, message = cache.detach_storage_backend()
+    assert ok, message
+    assert cache.histate.ssd_tier is None and core_of(node).ckpt_mask == 0
+    req = _request(tokens[:6 * PAGE] + [1] * PAGE)
+    req.init_next_round_input(cache)
+    assert cache.check_prefetch_progress(req.cache_request_handle)  # nothing to wait for
+    Driver(cache, pools).serve(list(range(7000, 7000 + 8 * PAGE)), [8 * PAGE])
+    cache.check_hicache_events()
+    cache.sanity_check()
+    cache.histate.victims.check_offered()
 
 
 def test_metrics_are_exported_with_sglang_labels(sglang_plugins):
@@ -259,14 +316,14 @@ def test_metrics_are_exported_with_sglang_labels(sglang_plugins):
     metrics = HiStateMetrics({"tp_rank": "0", "pp_rank": "0"}, export=True, registry=registry)
     metrics.record_match(input_tokens=300, reused_tokens=256, tier="storage")
     metrics.record_match(input_tokens=100, reused_tokens=0, tier=None)
-    metrics.record_eviction("bundle")
+    metrics.record_eviction("bundle", 0)
     metrics.record_ssd_io(read_bytes=4096, written_bytes=8192)
     metrics.set_checkpoints("host", 7)
     text = generate_latest(registry).decode()
     for line in ('sglang:histate_prefix_hits_total{pp_rank="0",tier="storage",tp_rank="0"} 1.0',
                  'sglang:histate_reused_tokens_total{pp_rank="0",tp_rank="0"} 256.0',
                  'sglang:histate_input_tokens_total{pp_rank="0",tp_rank="0"} 400.0',
-                 'sglang:histate_evictions_total{pp_rank="0",tp_rank="0",unit="bundle"} 1.0',
+                 'sglang:histate_evictions_total{pp_rank="0",tier="device",tp_rank="0",unit="bundle"} 1.0',
                  'sglang:histate_ssd_read_bytes_total{pp_rank="0",tp_rank="0"} 4096.0',
                  'sglang:histate_ssd_written_bytes_total{pp_rank="0",tp_rank="0"} 8192.0',
                  'sglang:histate_checkpoints{pp_rank="0",tier="host",tp_rank="0"} 7.0'):

@@ -7,7 +7,7 @@ it, and after every step:
   * SGLang's `sanity_check()` (tree, ledgers, leaf sets, LRU lists);
   * the ledger contract: evict(n) frees at least min(n, what `mamba_evictable_size()` /
     `full_evictable_size()` report), probed on a copy so the run itself is not perturbed;
-  * HiState's invariant H4 (every eviction unit is offered to the ranker).
+  * HiState's invariant H4 (every eviction unit is offered to the victim heaps).
 
 The operations are those of the kit's `insert_walk.SegmentLockFuzzFixtures._run_seed` (insert a
 branch or a new sequence, lock a matched node with or without its Mamba lock, unlock, evict), built

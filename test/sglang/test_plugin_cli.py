@@ -20,6 +20,7 @@ from histate.sglang_plugin.config import (
 from histate.sglang_plugin.server_settings import STORAGE_CLASS_NAME, STORAGE_MODULE_PATH
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 ALL_FLAGS = [o.flag for o in OPTIONS]
 
 
@@ -56,7 +57,7 @@ def test_entry_point_is_declared_in_the_sglang_group():
 def _launch_server(*argv):
     """`python -m sglang.launch_server ARGV` in a fresh process, plugin found via its entry point."""
     return subprocess.run(
-        [sys.executable, os.path.join(HERE, "_sglang_cpu_stubs.py"), "sglang.launch_server", *argv],
+        [sys.executable, os.path.join(ROOT, "sglang_cpu", "stubs.py"), "sglang.launch_server", *argv],
         capture_output=True, text=True, timeout=180, cwd=HERE,
     )
 

@@ -8,12 +8,13 @@ from array import array
 
 import pytest
 
-from histate.core import UnitKind, make_policy
+from histate.core import GPU_BIT, Tier, UnitKind, make_policy
 from histate.core.policies.histate import HiStateLruDisk
 from histate.sglang_plugin.config import HiStateConfigError
-from histate.sglang_plugin.node_view import depth_tokens, has_device_state
+from histate.sglang_plugin.core_nodes import core_of, has_device_state
+from histate.sglang_plugin.eviction import tier_units
 
-from ._urc_fixtures import PAGE, Driver, ManualClock, build_cache, build_pools, cache_params, key, publish_server_args
+from sglang_cpu.pools import PAGE, Driver, ManualClock, build_cache, build_pools, cache_params, key, publish_server_args
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def _assert_restorable(cache, tokens):
     result = cache.match_prefix(MatchPrefixParams(key=key(tokens)))
     node = cache.tree_core.node_by_id(result.last_device_node)
     if result.device_prefix_len:
-        assert depth_tokens(node) == result.device_prefix_len
+        assert core_of(node).depth_pages == result.device_prefix_len
         assert has_device_state(node)
     return result.device_prefix_len
 
@@ -114,7 +115,7 @@ def test_random_request_sequences_keep_sglang_and_histate_invariants(sglang_cpu,
         _slot_conservation(cache, pools, kv_tokens, mamba_slots)
         assert _assert_restorable(cache, ctx) >= 0
         if kind == "histate":
-            cache.histate.ranker.check_offered()
+            cache.histate.victims.check_offered()
         if step % 7 == 3:  # a state request with one session pinned, as a running request would
             locked = cache.match_prefix(MatchPrefixParams(key=key(ctx)))
             lock = cache.lock(locked.last_device_node)
@@ -128,7 +129,7 @@ def test_random_request_sequences_keep_sglang_and_histate_invariants(sglang_cpu,
     assert reused_total > 0  # the trace does hit
     if kind == "histate":  # ... and the pools are small enough that both unit kinds get evicted
         totals = cache.histate.metrics.totals
-        assert totals[("evictions_total", "checkpoint")] > 0 and totals[("evictions_total", "bundle")] > 0
+        assert totals[("evictions_total", "checkpoint", "device")] > 0 and totals[("evictions_total", "bundle", "device")] > 0
         driver.match(sessions[0], req=types.SimpleNamespace(session=None))  # a request-level match
         device_states = sum(has_device_state(n) for n in cache.tree_core._node_arena.values())
         assert cache.histate.metrics.totals[("checkpoints", "device")] == device_states > 0
@@ -151,12 +152,12 @@ def test_each_eviction_takes_the_lowest_score(sglang_cpu):
         clock.now = 1.0 + i
         base = list(range(100_000 * (i % 4), 100_000 * (i % 4) + rng.randrange(4, 20) * PAGE))
         driver.serve(base, plan=lambda c, n, m: sorted({p for p in range(c + 3 * PAGE, n, 3 * PAGE)} | {n}))
-    ranker = cache.histate.ranker
+    runtime = cache.histate
     for t in range(10):
         clock.now = 100.0 + t
-        ranker.begin_walk()
-        units = [(ranker.score(n, u), n.id, u) for n in cache.tree_core._node_arena.values()
-                 if (u := ranker.unit_of(n)) is not None and (u is UnitKind.CHECKPOINT or has_device_state(n))]
+        units = [(runtime.state.score(core_of(n), u, GPU_BIT), n.id, u) for n in cache.tree_core._node_arena.values()
+                 for u in tier_units(core_of(n), cache.tree_core, Tier.GPU)
+                 if u is UnitKind.CHECKPOINT or has_device_state(n)]
         expected = min(units)
         before = {n.id for n in cache.tree_core._node_arena.values() if has_device_state(n)}
         cache.evict(EvictParams(num_tokens=0, mamba_num=1))
@@ -212,7 +213,7 @@ def test_figure7_decisions(sglang_cpu, kind, policy, evicted):
         assert (fork.full_kv_hit_length, fork.device_prefix_len) == (44 * PAGE, 40 * PAGE)
     if kind == "histate":
         unit = "bundle" if evicted == "S6" else "checkpoint"
-        assert cache.histate.metrics.totals[("evictions_total", unit)] == 1
+        assert cache.histate.metrics.totals[("evictions_total", unit, "device")] == 1
 
 
 # --- copy-on-write admission (SGLang's real path) ------------------------------------------------
@@ -261,7 +262,7 @@ def test_copy_on_write_admissions_back_to_back(sglang_plugins, kind):
     cache.sanity_check()
     assert_evict_frees_what_the_ledger_reports(cache, allocator, pool)
     if kind == "histate":
-        cache.histate.ranker.check_offered()
+        cache.histate.victims.check_offered()
 
 
 @pytest.mark.parametrize("kind", ["stock", "histate"])
@@ -302,6 +303,39 @@ def test_decode_hold_with_and_without_its_state_lock(sglang_plugins, kind, skip_
         assert_histate_invariants(cache)
 
 
+def test_a_unit_met_locked_is_parked_and_offered_again_on_unlock(sglang_cpu):
+    """R1 by construction: a walk that meets a locked unit parks it (the core's victim heap), and the
+    lock release re-offers it although the unit set looks unchanged to the leaf-set hook (SGLang lowers
+    `lock_ref` before it updates the sets). The lock is taken through the component alone, which
+    notifies nobody (as FULL's path lock does to every ancestor of a locked node; `inc_lock_ref`
+    updates the leaf sets of the anchor only, unified_tree_core.py:730-743).
+    Tree: A (state) -> C (state), and B (state): A, an interior checkpoint, ranks lowest, then B."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, IncLockRefResult, MatchPrefixParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    pools = build_pools(64 * PAGE, 3)
+    clock = ManualClock()
+    cache = build_cache("histate", pools, clock=clock)
+    driver = Driver(cache, pools)
+    a, b = list(range(100, 100 + 4 * PAGE)), list(range(900, 900 + 4 * PAGE))
+    for now, tokens, positions in ((0.5, b, [4 * PAGE]), (1.0, a + [5] * 4 * PAGE, [4 * PAGE, 8 * PAGE])):
+        clock.now = now
+        driver.serve(tokens, positions)
+    clock.now = 1.0  # (the lookup below refreshes A: keep it the oldest)
+    node_a = cache.tree_core.node_by_id(cache.match_prefix(MatchPrefixParams(key=key(a))).last_device_node)
+    mamba = cache.components[ComponentType.MAMBA]
+    receipt = mamba.acquire_component_lock(node_a, IncLockRefResult(node_id=node_a.id))
+    clock.now = 60.0
+    assert cache.evict(EvictParams(num_tokens=0, mamba_num=1)).mamba_num_evicted == 1
+    assert has_device_state(node_a) and core_of(node_a).is_parked  # met locked: parked, not lost
+    assert kit_match(cache, b) == 0 and kit_match(cache, a + [5] * 4 * PAGE) == 8 * PAGE  # B went instead
+    mamba.release_component_lock(node_a, receipt.to_dec_params())
+    cache.histate.victims.check_offered()  # H4: offered again
+    assert cache.evict(EvictParams(num_tokens=0, mamba_num=1)).mamba_num_evicted == 1
+    assert not has_device_state(node_a)  # the lowest unit goes first once it is free
+    cache.sanity_check()
+
+
 def kit_match(cache, tokens) -> int:
     from sglang.test.kits.unified_radix_cache.fixtures import match_prefix
 
@@ -317,6 +351,6 @@ def test_default_intervals_build_a_cache_on_a_256_token_state_grid(sglang_plugin
     publish_server_args(page_size=page_size, chunk_tokens=chunk_tokens)
     cache = build_cache("histate", build_pools(64 * 256, 8, page_size=page_size))
     assert cache.histate.grid_tokens == 256
-    assert cache.histate.admission_config.supported_intervals_pages == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert cache.histate.core_config.supported_intervals_pages == (1, 2, 4, 8, 16, 32, 64, 128)
     plan = cache.plan_checkpoints(0, 4000)
     assert plan and all(position % 256 == 0 for position in plan)

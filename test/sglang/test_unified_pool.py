@@ -26,7 +26,7 @@ import torch
 
 from ._scheduler_round import prefill_round
 from ._sglang_kit import TickClock, assert_evict_frees_what_the_ledger_reports, assert_histate_invariants
-from ._urc_fixtures import QWEN35_LIKE_STATE, build_cache, build_unified_pools, publish_server_args
+from sglang_cpu.pools import QWEN35_LIKE_STATE, build_cache, build_unified_pools, publish_server_args
 
 ROUNDS = 30
 

@@ -1,7 +1,8 @@
 """Several SGLang ranks share one --histate-ssd-dir: one namespace (subdirectory, lock, budget) per rank.
 
 Uses SGLang's real HiCacheStorageConfig and the real `dynamic` backend class; SGLang is imported
-through the CPU test bootstrap of test/sglang (skipped where SGLang is not installed).
+through the CPU bootstrap the SGLang tests use (sglang_cpu/stubs.py; skipped where SGLang is not
+installed).
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import pytest
 
 if importlib.util.find_spec("sglang") is None:  # pragma: no cover - environment without SGLang
     pytest.skip("sglang not installed", allow_module_level=True)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "sglang"))
-import _sglang_cpu_stubs  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir))
+from sglang_cpu import stubs  # noqa: E402  (the repository root's CPU bootstrap)
 
-_sglang_cpu_stubs.install()
+stubs.install()
 import torch  # noqa: E402
 
 from histate.sglang_plugin.config import HiStateConfigError, resolve_config  # noqa: E402

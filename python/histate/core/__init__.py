@@ -14,6 +14,7 @@ from .scoring import ScoringContext
 from .stats import CacheStats
 from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, ConfigError, HiStateError,
                     InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind)
+from .units import checkpoint_at_or_above, checkpoint_neighbours, units_of
 from .victims import VictimHeap, reoffer
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MatchResult", "Policy", "PolicyState",
     "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS", "ScoringContext", "Tier", "TierOp",
-    "UnitKind", "VictimHeap", "available_policies", "choose_interval_pages", "continuous_optimum_pages",
-    "make_cache", "make_policy", "recompute_cost_pages", "register_policy", "reoffer",
+    "UnitKind", "VictimHeap", "available_policies", "checkpoint_at_or_above", "checkpoint_neighbours",
+    "choose_interval_pages", "continuous_optimum_pages", "make_cache", "make_policy", "recompute_cost_pages",
+    "register_policy", "reoffer", "units_of",
 ]

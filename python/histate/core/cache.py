@@ -15,7 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .config import NEAR_END_WINDOW_PAGES, CacheConfig
+from .config import CacheConfig
 from .eviction import Evictor
 from .items import ItemBook
 from .ledger import Ledger, PartitionedLedger
@@ -26,7 +26,6 @@ from .policy_state import PolicyState
 from .stats import CacheStats
 from .tree import Node, RadixTree
 from .types import GPU_BIT, HiStateError, ItemKind, MatchResult, Tier, TierOp, fastest_tier
-from .units import end_offset_pages
 
 
 @dataclass
@@ -146,7 +145,7 @@ class HybridPrefixCache:
         result = MatchResult(
             num_kv_pages=m, num_reused_pages=c, kv_bytes_by_tier=kv_bytes, checkpoint_tier=ckpt_tier,
             checkpoint_size_bytes=self.config.checkpoint_size_bytes if ckpt_tier is not None else 0,
-            is_terminal_hit=terminal, end_offset_pages=end_offset_pages(diverged_in, m, NEAR_END_WINDOW_PAGES))
+            is_terminal_hit=terminal, end_offset_pages=self.state.end_offset(diverged_in, m))
         return result, path, partial, ckpt_node
 
     # --- request life cycle ------------------------------------------------------------------

@@ -32,7 +32,7 @@ from .placement import TierPlan
 from .policy_state import PolicyState
 from .tree import Node, RadixTree
 from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
-from .units import is_tier_leaf, units_of
+from .units import checkpoint_at_or_above, checkpoint_neighbours, is_tier_leaf, units_of
 from .victims import VictimHeap, reoffer
 
 _COMPACT_FACTOR = 4  # rebuild the heaps once stale entries outnumber live ones this many times
@@ -71,9 +71,8 @@ class Evictor:
     def _rerank_checkpoint_above(self, node: Node) -> None:
         """`node`'s subtree shrank: the nearest checkpoint at or above it spans fewer pages, so its C
         dropped. Deferred while a `make_room` pass runs."""
-        while node.parent is not None and not node.ckpt_mask:
-            node = node.parent
-        if node.parent is None:
+        node = checkpoint_at_or_above(node)
+        if node is None:
             return
         if self._pass_depth:
             self._deferred[id(node)] = node
@@ -93,15 +92,8 @@ class Evictor:
     def touch_checkpoint_neighbourhood(self, node: Node) -> None:
         """A checkpoint appeared or vanished at `node`: the gap of the checkpoints below changed too
         (affected costs are updated without touching timestamps, paper §3.3)."""
-        self.touch(node)
-        parent = node.parent
-        while parent.parent is not None:  # ancestors up to and including the previous checkpoint
-            self.touch(parent)
-            if parent.ckpt_mask:
-                break
-            parent = parent.parent
-        for child in node.children.values():
-            self.touch(child)
+        for neighbour in checkpoint_neighbours(node):
+            self.touch(neighbour)
 
     # --- making room -------------------------------------------------------------------------------
 

@@ -15,16 +15,28 @@ from .config import NEAR_END_WINDOW_PAGES, CacheConfig
 from .interval import Ema, IntervalController, TierFlow
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
-from .types import ALL_TIERS, Tier, UnitKind
-from .units import expected_cost_tokens, last_access_s, reclaim_tokens
+from .types import ALL_TIERS, ConfigError, Tier, UnitKind
+from .units import end_offset_pages, expected_cost_tokens, last_access_s, reclaim_tokens
 
 
 class PolicyState:
-    def __init__(self, policy: Policy, config: CacheConfig, demotion_tier: Optional[dict] = None):
+    """`node_unit_tokens`: tokens per unit of the scored nodes' `keys` / `depth_pages`. Default: the
+    config's page (the core's page tree). An executor whose tree is token-granular (SGLang's) passes 1:
+    it scores its nodes in tokens while admission (`plan`) and the near-end prior stay in config pages
+    (the checkpoint grid), so one PolicyState serves both."""
+
+    def __init__(self, policy: Policy, config: CacheConfig, demotion_tier: Optional[dict] = None,
+                 node_unit_tokens: Optional[int] = None):
         """`demotion_tier`: tier -> the tier a unit evicted from it moves to (None: dropped); with the
         config's restore costs it lets eq. 7 charge a demotion its transfer (policies opt in)."""
         self.policy = policy
         self.config = config
+        unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
+        if unit <= 0 or config.page_num_tokens % unit:
+            raise ConfigError(f"PolicyState.node_unit_tokens: {unit} does not divide the page "
+                              f"({config.page_num_tokens} tokens)")
+        self.node_unit_tokens = unit
+        self.near_end_stride = config.page_num_tokens // unit  # node units per page
         home = policy.historical_tier if policy.historical_tier in config.capacity_bytes else Tier.GPU
         self.kv_tier, self.state_home_tier = Tier.GPU, home
         self.controller = IntervalController(
@@ -80,7 +92,19 @@ class PolicyState:
     def _context(self) -> ScoringContext:
         probs = tuple(e.value for e in self.near_end_hits) if self.learns_near_end else ()
         return ScoringContext.of(self.config, self.terminal_hits.value, probs, self._restore_cost,
-                                 self._demotion_tier)
+                                 self._demotion_tier, self.node_unit_tokens)
+
+    def end_offset(self, node, match_units: int) -> Optional[int]:
+        """Where a request left the cached tree, in pages before the end of the most recently used
+        trajectory below `node` (the evidence `observe_match` learns from); `match_units` is the matched
+        length in node units and `node` the node it ends in. None beyond the near-end window."""
+        stride = self.near_end_stride
+        window = NEAR_END_WINDOW_PAGES
+        offset = end_offset_pages(node, match_units, (window + 1) * stride - 1 if stride > 1 else window)
+        if offset is None:
+            return None
+        pages = (match_units + offset) // stride - match_units // stride
+        return pages if pages <= window else None
 
     def observe_match(self, num_kv_pages: int, end_offset_pages) -> None:
         """A request matched: update q (the share of hits that land at a trajectory's end, judged by

@@ -29,9 +29,15 @@ class ScoringContext:
     """Per tier index: the tier index a unit evicted from it moves to, or -1 when it is dropped."""
     attention_pair_tokens: float = 0.0
     """One attention (query, key) pair in per-token FLOPs (CacheConfig.attention_pair_tokens)."""
+    near_end_stride: int = 1
+    """Node units per page of the near-end prior: 1 when nodes count pages (the core's tree); the page
+    in tokens when an executor's tree is token-granular (SGLang's), so p'_k still means k pages."""
 
     @classmethod
     def of(cls, config, terminal_prob: float, near_end_probs: tuple = (), restore_cost: tuple = (),
-           demotion_tier: tuple = ()) -> "ScoringContext":
-        return cls(config.tau_s, config.page_num_tokens, config.checkpoint_token_equiv, terminal_prob,
-                   near_end_probs, restore_cost, demotion_tier, config.attention_pair_tokens)
+           demotion_tier: tuple = (), node_unit_tokens: "int | None" = None) -> "ScoringContext":
+        """The context for nodes whose `keys` / `depth_pages` count `node_unit_tokens` tokens each
+        (default: the config's page, the core's own tree)."""
+        unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
+        return cls(config.tau_s, unit, config.checkpoint_token_equiv, terminal_prob, near_end_probs,
+                   restore_cost, demotion_tier, config.attention_pair_tokens, config.page_num_tokens // unit)

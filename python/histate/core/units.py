@@ -75,6 +75,29 @@ def last_access_s(node: Node, unit: UnitKind, bit: int) -> float:
     return node.kv_access_s
 
 
+def checkpoint_neighbours(node: Node):
+    """The nodes whose units a checkpoint appearing at `node` can make cheaper to lose (paper §3.3:
+    affected costs are updated without touching timestamps): `node`, its ancestors up to and including
+    the previous checkpoint (their span now stops at `node`), and its children (their gap now starts
+    at `node`). A victim heap re-offers them (victims.reoffer)."""
+    yield node
+    parent = node.parent
+    while parent.parent is not None:
+        yield parent
+        if parent.ckpt_mask:
+            break
+        parent = parent.parent
+    yield from node.children.values()
+
+
+def checkpoint_at_or_above(node: Node):
+    """The nearest node at or above `node` holding a checkpoint, or None. Its span, and with it its C,
+    shrinks when `node`'s subtree loses a leaf."""
+    while node.parent is not None and not node.ckpt_mask:
+        node = node.parent
+    return None if node.parent is None else node
+
+
 def end_offset_pages(node, match_pages: int, window_pages: int):
     """Pages from `match_pages` (a position inside `node`'s edge or at its end) to the end of the most
     recently used trajectory below it, or None when farther than `window_pages` (or no node)."""
@@ -93,11 +116,13 @@ def _kv_access(node) -> float:
     return node.kv_access_s
 
 
-def served_near_end_mass(node: Node, near_end_probs: tuple) -> float:
-    """Sum of p'_k over the near-end positions (T - k for the trajectory ends T below) that a checkpoint
-    at the end of `node` serves: those between it and the next checkpoint below on the way to T."""
+def served_near_end_mass(node: Node, near_end_probs: tuple, stride: int = 1) -> float:
+    """Sum of p'_k over the near-end positions P_k = (T // stride - k) * stride of the trajectory ends T
+    below (k pages before T; `stride` node units per page) that a checkpoint at the end of `node`
+    serves: those between it and the next checkpoint below on the way to T."""
     window = len(near_end_probs)
     base = node.depth_pages
+    reach = (window + 1) * stride - 1  # a subtree starting this far past `stop` has no P_k below it
     mass = 0.0
     stack = [(child, None) for child in node.children.values()]
     while stack:
@@ -105,18 +130,21 @@ def served_near_end_mass(node: Node, near_end_probs: tuple) -> float:
         if stop is None and n.ckpt_mask and n.children:
             stop = n.depth_pages  # hits at or below here resume from that checkpoint instead
         if n.children:
-            if stop is None or n.depth_pages - len(n.keys) < stop + window:
+            if stop is None or n.depth_pages - len(n.keys) < stop + reach:
                 stack.extend((c, stop) for c in n.children.values())
             continue
-        end = n.depth_pages
-        first = 1 if stop is None else end - stop + 1  # T - k < stop  <=>  k > T - stop
-        last = min(window, end - base)
-        for k in range(max(1, first), last + 1):
-            mass += near_end_probs[k - 1]
+        top = n.depth_pages // stride
+        for k in range(1, window + 1):
+            position = (top - k) * stride
+            if position < base:
+                break
+            if stop is None or position < stop:
+                mass += near_end_probs[k - 1]
     return mass
 
 
-def hit_share(node: Node, unit: UnitKind, terminal_prob: float, near_end_probs: tuple = ()) -> float:
+def hit_share(node: Node, unit: UnitKind, terminal_prob: float, near_end_probs: tuple = (),
+              near_end_stride: int = 1) -> float:
     """The expected number of a trajectory's hits (per hit on it) that need unit x: q for its terminal
     state, the interior share it serves for an intermediate checkpoint, 1 for interior KV (every hit
     below passes through it), 0 for a leaf's KV without its state (no hit can use it alone)."""
@@ -129,16 +157,16 @@ def hit_share(node: Node, unit: UnitKind, terminal_prob: float, near_end_probs: 
     span_pages = sum(pages_until_checkpoint(c) for c in node.children.values())
     share = (1.0 - sum(near_end_probs)) * span_pages / (node.depth_pages + span_pages)
     if near_end_probs:
-        share += served_near_end_mass(node, near_end_probs)
+        share += served_near_end_mass(node, near_end_probs, near_end_stride)
     return (1.0 - terminal_prob) * share
 
 
 def expected_recompute_tokens(node: Node, unit: UnitKind, terminal_prob: float, page_num_tokens: int,
-                              near_end_probs: tuple = ()) -> float:
+                              near_end_probs: tuple = (), near_end_stride: int = 1) -> float:
     """The paper's C_x: extra tokens recomputed, in expectation, if unit x disappears (each hit that
     needed it resumes at the previous checkpoint, a gap earlier)."""
     gap_pages = node.depth_pages - prev_checkpoint_depth(node)
-    return hit_share(node, unit, terminal_prob, near_end_probs) * gap_pages * page_num_tokens
+    return hit_share(node, unit, terminal_prob, near_end_probs, near_end_stride) * gap_pages * page_num_tokens
 
 
 _TIER_OF_BIT = {1: 0, 2: 1, 4: 2}
@@ -154,9 +182,10 @@ def expected_cost_tokens(node: Node, unit: UnitKind, bit: int, ctx) -> float:
     tier = _TIER_OF_BIT[bit]
     lower = ctx.demotion_tier[tier] if ctx.demotion_tier else -1
     if lower < 0:
-        return expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs)
+        return expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs,
+                                         ctx.near_end_stride)
     moved = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
-    share = hit_share(node, unit, ctx.terminal_prob, ctx.near_end_probs)
+    share = hit_share(node, unit, ctx.terminal_prob, ctx.near_end_probs, ctx.near_end_stride)
     return share * moved * (ctx.restore_cost[lower] - ctx.restore_cost[tier])
 
 

@@ -1,15 +1,15 @@
-"""HiState's overrides of SGLang's FULL and MAMBA tree components.
+"""HiState's overrides of SGLang's FULL and MAMBA tree components: the device and host walks.
 
-Installed through `CacheInitParams.component_registry_override` (which also selects SGLang's
-Python tree core). They keep every SGLang mechanism (ledgers, LRU links, locks, HiCache hooks)
-and change only the decisions:
-  * MAMBA: refresh-all on a checkpoint hit comes from the cache's match (policy-driven); a new
-    checkpoint stamps its time and re-offers its neighbours to the ranker; the device eviction
-    walk asks the unified ranker (interior checkpoints and bundles together) instead of walking
-    the state LRU; the match validator also accepts a checkpoint whose only copy is on SSD.
-  * FULL: the device eviction walk takes bundles from the unified ranker instead of the
-    `--radix-eviction-policy` leaf heap.
-The ranker and all policy state live on `cache.histate` (runtime.HiStateRuntime).
+Installed through `CacheInitParams.component_registry_override` (which also selects SGLang's Python
+tree core). They keep every SGLang mechanism (ledgers, LRU links, locks, HiCache hooks, the eviction
+primitives) and change only which unit goes next, asking the cache's `TierVictims` (eviction.py):
+  * device walks (`_evict_device_next_node`): FULL takes bundles (device leaves), MAMBA takes any
+    unit that frees a state slot, both ranked together by eq. 7 instead of the `--radix-eviction-policy`
+    leaf heap and the state LRU;
+  * host walks (`drive_host_eviction`, SGLang's host-pool pressure path): FULL takes host leaves,
+    MAMBA host leaves holding a state and host checkpoints, ranked by eq. 7 instead of the leaf heap
+    and the host state LRU (unified_cache/components/full.py:250-280, mamba.py:1012-1069);
+  * MAMBA stamps new checkpoints and re-offers their neighbours (the core's `_add_checkpoint`).
 """
 from __future__ import annotations
 
@@ -19,41 +19,70 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURe
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
-from histate.core import UnitKind
+from histate.core import Tier, UnitKind
+
+from .core_nodes import core_of
+from .eviction import is_bundle, takes_device_state, takes_host_state
 
 
-class _UnifiedWalk:
-    """The device-eviction walk protocol of SGLang components, answered by the ranker."""
+class _HiStateWalks:
+    """The walk protocol of SGLang components, answered by the cache's victim heaps."""
 
-    wants_state = False
+    takes_on_device: Callable = staticmethod(is_bundle)
+    takes_on_host: Callable = staticmethod(is_bundle)
 
     def _evict_device_start(self, request_cnt: int) -> None:
         self._hs_request_cnt = request_cnt
-        self.cache.histate.ranker.begin_walk()
+        self.cache.histate.victims.begin_walk()
 
     def _evict_device_end(self) -> None:
         self._hs_request_cnt = 0
+        self.cache.histate.victims.end_walk()
 
-    def _next_victim(self, tracker: dict) -> Optional[tuple]:
-        if tracker[self.component_type] >= self._hs_request_cnt:
-            return None
+    def _next_victim(self, tier: Tier, takes: Callable) -> Optional[tuple]:
         runtime = self.cache.histate
-        victim = runtime.ranker.next_victim(want_state=self.wants_state)
+        victim = runtime.victims.next_victim(tier, takes)
         if victim is not None:
-            runtime.on_evicted(victim[0], victim[1], runtime.now())
+            runtime.on_evicted(victim[0], victim[1], tier, runtime.now())
         return victim
 
+    def drive_host_eviction(self, num_tokens: int, tracker: dict, device_frees: dict, host_frees: dict,
+                            cache_actions: list) -> None:
+        """Free `num_tokens` of this component's host pool, lowest eq. 7 score first."""
+        core = self.tree_core
+        victims = self.cache.histate.victims
+        victims.begin_walk()
+        try:
+            while tracker[self.component_type] < num_tokens:
+                victim = self._next_victim(Tier.CPU, self.takes_on_host)
+                if victim is None:
+                    return
+                node, unit = victim
+                if unit is UnitKind.BUNDLE:
+                    core._evict_host_leaf(node.sg, tracker, device_frees, host_frees, cache_actions=cache_actions)
+                    continue
+                # A host checkpoint alone: tombstone the host state, keep everything else (as SGLang's
+                # own MAMBA host walk does for an internal node).
+                core._evict_component_and_detach_lru(node.sg, self, target=EvictLayer.HOST, tracker=tracker,
+                                                     device_frees=device_frees, host_frees=host_frees,
+                                                     cache_actions=cache_actions)
+                core._cascade_evict(node.sg, self, tracker, device_frees=device_frees, host_frees=host_frees,
+                                    target=EvictLayer.HOST, cache_actions=cache_actions)
+                core._update_evictable_leaf_sets(node.sg)
+        finally:
+            victims.end_walk()
 
-class HiStateFullComponent(_UnifiedWalk, FullComponent):
+
+class HiStateFullComponent(_HiStateWalks, FullComponent):
     def acquire_component_lock(self, node: Any, result: Any, lock_host: bool = False) -> Any:
         """SGLang's FULL lock drops the locked path's device leaf from `evictable_device_leaves`
-        directly (full.py:326), past the leaf-set hook the ranker listens to. Re-offer that node so
-        it is ranked as what it is now: nothing while locked, or an interior-style checkpoint when
-        the request skipped its Mamba lock (SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK)."""
+        directly (full.py:326), past the leaf-set hook. Re-offer that node so it is ranked as what it
+        is now: nothing while locked, or a checkpoint when the request skipped its Mamba lock
+        (SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK)."""
         leaf = None if lock_host else self._device_leaf_above(node)
         result = super().acquire_component_lock(node, result, lock_host)
         if leaf is not None:
-            self.cache.histate.ranker.touch(leaf)
+            self.cache.histate.victims.touch(core_of(leaf))
         return result
 
     def _device_leaf_above(self, node: Any) -> Any:
@@ -66,54 +95,57 @@ class HiStateFullComponent(_UnifiedWalk, FullComponent):
 
     def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
                                 cache_actions: list) -> Any:
-        victim = self._next_victim(tracker)
-        return None if victim is None else victim[0].id
+        if tracker[self.component_type] >= self._hs_request_cnt:
+            return None
+        victim = self._next_victim(Tier.GPU, is_bundle)
+        return None if victim is None else victim[0].sg.id
 
 
-class HiStateMambaComponent(_UnifiedWalk, MambaComponent):
-    wants_state = True
+class HiStateMambaComponent(_HiStateWalks, MambaComponent):
+    takes_on_host = staticmethod(takes_host_state)
 
     def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
                                 cache_actions: list) -> Any:
-        victim = self._next_victim(tracker)
+        if tracker[self.component_type] >= self._hs_request_cnt:
+            return None
+        victim = self._next_victim(Tier.GPU, takes_device_state)
         if victim is None:
             return None
         node, unit = victim
         if unit is UnitKind.BUNDLE:
-            return node.id  # SGLang evicts the leaf atomically (KV + terminal checkpoint)
-        # An interior checkpoint: tombstone the state only, with SGLang's own primitives.
+            return node.sg.id  # SGLang evicts the leaf atomically (KV + terminal checkpoint)
+        # A checkpoint alone: tombstone the device state, with SGLang's own primitives.
         self.tree_core._evict_component_and_detach_lru(
-            node, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
+            node.sg, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
             host_frees=host_frees, cache_actions=cache_actions)
-        self.tree_core._cascade_evict(node, self, tracker, device_frees=device_frees,
+        self.tree_core._cascade_evict(node.sg, self, tracker, device_frees=device_frees,
                                       host_frees=host_frees, cache_actions=cache_actions)
         return None
-
-    def create_match_validator(self, match_device_only: bool = False) -> Callable[[Any], bool]:
-        base = super().create_match_validator(match_device_only)
-        runtime = self.cache.histate
-        if match_device_only or runtime.ssd is None:
-            return base
-        return lambda node: base(node) or runtime.state_on_ssd(node)
 
     def refresh_lru(self, phase: LRURefreshPhase, node: Any, root_node: Any) -> None:
         super().refresh_lru(phase, node, root_node)  # keeps SGLang's state LRU links consistent
         if phase is LRURefreshPhase.WALKDOWN and node is not root_node:
-            self.cache.histate.stamp_kv(node, self.cache.histate.now())
+            core_of(node).kv_access_s = self.cache.histate.now()  # an insert walks its path (core _insert_kv)
 
     def commit_insert_component_data(self, node: Any, is_new_leaf: bool, params: Any, result: Any,
                                      cache_actions: list) -> None:
         super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
         runtime = self.cache.histate
         now_s = runtime.now()
+        core = core_of(node)
+        if is_new_leaf:
+            runtime.new_node(core, now_s)
+            runtime.bytes_in(Tier.GPU, len(node.key) * runtime.core_config.kv_bytes_per_token)
         if result.mamba_exist:
-            node._hs_ckpt_access_s = now_s  # the state was already there: a refresh (core _add_checkpoint)
-            runtime.stamp_kv(node, now_s)
+            core.ckpt_access_s = now_s  # the state was already there: a refresh (core _add_checkpoint)
         else:
-            runtime.stamp_new_checkpoint(node, now_s, is_new_leaf)
+            runtime.new_checkpoint(core, now_s)
+            runtime.bytes_in(Tier.GPU, runtime.core_config.checkpoint_size_bytes)
 
     def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
+        """The split head inherits the KV stamps and KV tiers; the checkpoint stays at the tail's end
+        (the core's `RadixTree.split`)."""
         super().redistribute_on_node_split(new_parent, child)
-        for stamp in ("_hs_kv_access_s", "_hs_kv_created_s"):
-            if hasattr(child, stamp):
-                setattr(new_parent, stamp, getattr(child, stamp))
+        head, tail = core_of(new_parent), core_of(child)
+        head.kv_access_s, head.kv_created_s, head.ssd_kv = tail.kv_access_s, tail.kv_created_s, tail.ssd_kv
+        head.ckpt_access_s = head.ckpt_created_s = tail.kv_access_s

@@ -16,12 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-# The Gated-DeltaNet (FLA) kernel materialises states every 64 tokens; a checkpoint can only
-# sit on that grid (SGLang: runtime_context.mamba_cache_chunk_size()).
-STATE_GRID_TOKENS = 64
-
-# Eq. 5 candidate set (tokens): 2..512 pages of 64 tokens, the core's default.
-DEFAULT_INTERVALS_TOKENS = tuple(p * 64 for p in (2, 4, 8, 16, 32, 64, 128, 256, 512))
+# Defaults and the state grid have one home, histate.core.config (read by the CLI, ReplayConfig and here).
+from histate.core import DEFAULT_INTERVALS_TOKENS, DEFAULT_TAU_S, STATE_GRID_TOKENS
 
 CONFIG_ATTR = "_histate_config"
 """Name of the underscore bookkeeping attribute on ServerArgs (pickled with the record)."""
@@ -263,7 +259,7 @@ class HiStateConfig:
     ssd_dirs: tuple[str, ...] = ()
     ssd_size_bytes: int = 0
     intervals_tokens: tuple[int, ...] = DEFAULT_INTERVALS_TOKENS
-    tau_s: float = 60.0
+    tau_s: float = DEFAULT_TAU_S
     host_state_slots: int = 0
     device_pool: str = "unified"
     ssd_backend: str = "auto"

@@ -1,204 +1,201 @@
-"""Unified eviction (paper §3.3) on SGLang's tree: one ranking for checkpoints and bundles.
+"""Unified eviction (paper §3.3) on SGLang's tree, on every tier, with the core's victim heaps.
 
-Stock SGLang walks a KV leaf heap for token requests and a separate state LRU for state
-requests. HiState ranks both kinds of eviction unit with the core's score
-H = t_last + tau * C / M (`histate.core` Policy.score over a `NodeView`):
-  BUNDLE      a device leaf (`tree_core.evictable_device_leaves`): its KV segment and, when it
-              holds one, its terminal checkpoint; SGLang evicts it atomically (demote or delete);
-  CHECKPOINT  a device state on an interior node: tombstoned alone, its KV stays.
-Token requests (FULL walk) pick among bundles; state requests (MAMBA walk) pick the lowest of
-the bundles that hold a state and the interior checkpoints.
-
-Heaps use the same lazy scheme as `histate.core.cache`: a node that changes is "touched" (its
-version bumps and it is re-offered with a lower bound of its score, its last access time); an
-entry reaching the top is re-scored and pushed back if its true score is higher. Touches come
-from the tree core (every evictable-leaf-set update: insert, split, lock release, eviction) and
-from new checkpoints (whose neighbours' costs drop). No walk scans the tree.
-
-A node met while a lock keeps it from being a unit (its entry at the top of a heap, or its touch
-flushed) is set aside and re-offered at the first walk after it forms a unit again. Lock
-release does not always reach us as a change: SGLang lowers
-`lock_ref` before it calls `_update_evictable_leaf_sets` (components/mamba.py:523-525,
-components/full.py:373-375), so an interior checkpoint looks evictable both before and after
-that call, and a scheduler admission pops it while it is locked (copy-on-write of the matched
-state: lock, evict_for_alloc, unlock; components/mamba.py:215-221).
+One `histate.core.VictimHeap` per tier (device, host, SSD) holds the eviction units of SGLang's nodes
+(seen as `CoreNode`s), pushed with `histate.core.reoffer` and ranked by the cache's `PolicyState`
+(eq. 7: H = t_last + tau * C / M): exactly the machinery `histate.core.HybridPrefixCache` runs.
+What differs from the core is only *which* units exist, because SGLang's walks decide what can leave
+a tier (`tier_units`):
+  device  BUNDLE      a device leaf (`evictable_device_leaves`: unlocked, no child with device KV):
+                      SGLang demotes or deletes it with its device state (FULL cascades MAMBA);
+          CHECKPOINT  a device state whose Mamba lock is free, on any other node: tombstoned alone;
+  host    BUNDLE      a host leaf (`evictable_host_leaves`): SGLang deletes the node;
+          CHECKPOINT  a host state with no host lock and no DMA in flight, on any other node;
+  SSD     the core's own units over the SSD bits (`histate.core.units_of`): a node's KV pages when no
+          child has KV there (with its checkpoint on a true leaf), a checkpoint otherwise.
+Units are lock-dependent (a locked device leaf is no bundle; with SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK its
+state still is a checkpoint), so `rank` re-reads them: an entry whose unit is gone parks its node, and
+every change that can bring a unit back reaches `on_change` (the tree core's leaf-set hook runs on
+lock release, insert, split, demote and load-back). That is the core's parking + re-offer, and why a
+unit met locked during a walk (R1) is offered again once unlocked, by construction.
 """
 from __future__ import annotations
 
-import heapq
-from itertools import count
 from typing import Any, Callable, Optional
 
-from histate.core import PolicyState, UnitKind
+from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SSD_BIT, PolicyState, Tier, UnitKind, VictimHeap,
+                          checkpoint_at_or_above, checkpoint_neighbours, reoffer, units_of)
 
-from .node_view import GPU_BIT, MAMBA, NodeView, ScoringContext, has_device_state
+from .core_nodes import MAMBA, CoreNode, core_of
 
-_COMPACT_FACTOR = 4
-
-
-def _version(node: Any) -> int:
-    return getattr(node, "_hs_version", 0)
+_BITS = {Tier.GPU: GPU_BIT, Tier.CPU: CPU_BIT, Tier.SSD: SSD_BIT}
+_COMPACT_FACTOR = 4  # rebuild a heap once stale entries outnumber live nodes this many times
 
 
-def _locked(node: Any) -> bool:
-    return any(data.lock_ref > 0 for data in node.component_data)
+def _locked(sg: Any) -> bool:
+    return any(data.lock_ref > 0 for data in sg.component_data)
 
 
-class UnifiedEvictionRanker:
-    """Candidate heaps over one SGLang tree; owned by `HiStateRadixCache`."""
+def tier_units(node: CoreNode, tree_core: Any, tier: Tier) -> tuple:
+    """The units SGLang's walk for `tier` can evict from `node` now."""
+    sg = node.sg
+    if sg.parent is None:
+        return ()
+    if tier is Tier.GPU:
+        if sg in tree_core.evictable_device_leaves:
+            return (UnitKind.BUNDLE,)
+        data = sg.component_data[MAMBA]
+        return (UnitKind.CHECKPOINT,) if data.value is not None and data.lock_ref == 0 else ()
+    if tier is Tier.CPU:
+        if sg in tree_core.evictable_host_leaves:
+            return (UnitKind.BUNDLE,)
+        data = sg.component_data[MAMBA]
+        if (data.host_value is not None and data.host_lock_ref == 0 and data.lock_ref == 0
+                and sg.write_through_pending_id is None and sg.load_back_pending_id is None):
+            return (UnitKind.CHECKPOINT,)
+        return ()
+    if not (node.ssd_kv or node.ssd_state) or _locked(sg):
+        return ()
+    return tuple(unit for unit, t in units_of(node, partitioned=False) if t == Tier.SSD)
 
-    def __init__(self, policy: Any, make_context: Callable[[], ScoringContext]):
-        self.policy = policy
-        self.make_context = make_context
-        self.tree_core: Any = None
-        self._seq = count()
-        self.reset()
+
+class TierVictims:
+    """The victim heaps of one SGLang tree and what each walk may take from them."""
+
+    def __init__(self, state: PolicyState, tiers: tuple = (Tier.GPU,)):
+        self.state = state
+        self.tree_core: Any = None  # set once SGLang built it
+        self.tiers = tiers
+        self.heaps = {t: VictimHeap() for t in ALL_TIERS}
+        self._deferred: dict = {}  # id -> node whose re-rank waits for the end of the walk
+        self._walk_depth = 0
+
+    def enable_tier(self, tier: Tier) -> None:
+        if tier not in self.tiers:
+            self.tiers = tuple(sorted(self.tiers + (tier,)))
 
     def reset(self) -> None:
-        self.bundles: list = []
-        self.checkpoints: list = []
-        self._dirty: dict[int, Any] = {}
-        self._locked: dict[int, Any] = {}  # met while locked: re-offered once they form a unit
-        self._ctx: Optional[ScoringContext] = None
+        for heap in self.heaps.values():
+            heap.entries.clear()
+        self._deferred.clear()
 
-    # --- change notifications -------------------------------------------------------------------
+    # --- offering units ------------------------------------------------------------------------
 
-    def touch(self, node: Any) -> None:
-        """`node`'s units or costs may have changed: re-offer it at the next walk step."""
-        node._hs_version = _version(node) + 1
-        self._dirty[id(node)] = node
+    def units(self, node: CoreNode) -> tuple:
+        return tuple((unit, int(t)) for t in self.tiers for unit in tier_units(node, self.tree_core, t))
 
-    def touch_checkpoint_neighbourhood(self, node: Any) -> None:
-        """A checkpoint appeared at `node`: the interior checkpoint above it (shorter span) and
-        the units below it (shorter gap) now cost less to lose."""
-        self.touch(node)
-        parent = node.parent
-        while parent is not None and parent.parent is not None:
-            self.touch(parent)
-            if parent.component_data[MAMBA].value is not None or parent.component_data[MAMBA].host_value is not None:
-                break
-            parent = parent.parent
-        for child in node.children.values():
-            self.touch(child)
+    def _heap_for(self, unit: UnitKind, tier_index: int) -> VictimHeap:
+        return self.heaps[ALL_TIERS[tier_index]]
 
-    # --- classification and scoring -------------------------------------------------------------
+    def touch(self, node: CoreNode) -> None:
+        """Re-offer `node`'s current units (its old entries become stale)."""
+        units = self.units(node)
+        node.offered = units
+        reoffer(node, units, self._heap_for, self.state.bound)
 
-    def unit_of(self, node: Any) -> Optional[UnitKind]:
-        """The device eviction unit `node` forms now, or None (locked, dead, root, no device data)."""
-        tree_core = self.tree_core
-        if getattr(node, "_hs_dead", False) or node is tree_core.root_node:
-            return None
-        if node in tree_core.evictable_device_leaves:
-            return UnitKind.BUNDLE
-        data = node.component_data[MAMBA]
-        if data.value is not None and data.lock_ref == 0:
-            return UnitKind.CHECKPOINT
-        return None
+    def on_change(self, node: CoreNode) -> None:
+        """SGLang updated `node`'s leaf-set membership (insert, split, lock release, eviction,
+        demote, load-back): re-offer it if its units changed or a walk parked it."""
+        if node.is_parked or self.units(node) != node.offered:
+            self.touch(node)
 
-    def _context(self) -> ScoringContext:
-        if self._ctx is None:
-            self._ctx = self.make_context()
-        return self._ctx
+    def touch_checkpoint_neighbourhood(self, node: CoreNode) -> None:
+        """The core's re-offer after a new checkpoint (`checkpoint_neighbours`), where one core node may
+        be a chain of SGLang nodes: SGLang splits an edge wherever a match or an insert ends and never
+        merges, so below each child the chain of checkpoint-less single-child nodes (one node in the
+        core's merged tree) is re-offered too."""
+        for neighbour in checkpoint_neighbours(node):
+            self.touch(neighbour)
+            if neighbour.sg.parent is node.sg:
+                chain = neighbour
+                while not chain.ckpt_mask and len(chain.sg.children) == 1:
+                    (child,) = chain.sg.children.values()
+                    chain = core_of(child)
+                    self.touch(chain)
 
-    def score(self, node: Any, unit: UnitKind) -> float:
-        ctx = self._context()
-        return self.policy.score(ctx, NodeView(node, ctx), unit, GPU_BIT)
+    def on_removed(self, node: CoreNode) -> None:
+        """SGLang unlinked `node`: its entries are stale; its parent may be a leaf now (the core's
+        `remove_node` re-offers it), and the checkpoint above it spans less (the core's deferred
+        re-rank, applied at the end of the walk)."""
+        node.is_alive = False
+        node.version += 1
+        parent = node.sg.parent
+        if parent is not None and parent.parent is not None:
+            self.touch(core_of(parent))
+        above = checkpoint_at_or_above(core_of(parent)) if parent is not None else None
+        if above is not None:
+            if self._walk_depth:
+                self._deferred[id(above)] = above
+            else:
+                self.touch(above)
 
-    def _push(self, node: Any, unit: UnitKind, score: Optional[float] = None) -> None:
-        if score is None:  # a lower bound of every policy's score (core Policy.score contract)
-            score = PolicyState.bound(NodeView(node, self._context()), unit, GPU_BIT)
-        heap = self.bundles if unit is UnitKind.BUNDLE else self.checkpoints
-        heapq.heappush(heap, (score, next(self._seq), node, unit, _version(node)))
-
-    def flush(self) -> None:
-        """Offer every touched node under its current unit."""
-        if not self._dirty:
-            return
-        dirty, self._dirty = self._dirty, {}
-        for node in dirty.values():
-            self._offer(node)
-        for heap in (self.bundles, self.checkpoints):
-            if len(heap) > _COMPACT_FACTOR * (len(self.tree_core._node_arena) + 1024):
-                heap[:] = [e for e in heap if not getattr(e[2], "_hs_dead", False) and _version(e[2]) == e[4]]
-                heapq.heapify(heap)
-
-    def _offer(self, node: Any) -> None:
-        """Push `node` under the unit it forms now; set it aside if only a lock stops it forming
-        one. A node with no device unit and no lock is dropped: a touch re-offers it when device
-        data comes back (insert, split, load-back)."""
-        unit = self.unit_of(node)
-        if unit is not None:
-            self._push(node, unit)
-        elif _locked(node):
-            self._locked[id(node)] = node
-
-    def _reoffer_unlocked(self) -> None:
-        """Offer again the nodes set aside while locked that form a unit now (walk start only:
-        nothing unlocks during a walk, which runs inside one `evict` call). A node stays set
-        aside while a lock still keeps it from being a unit."""
-        for key, node in list(self._locked.items()):
-            if getattr(node, "_hs_dead", False):
-                del self._locked[key]
-            elif self.unit_of(node) is not None or not _locked(node):
-                del self._locked[key]
-                self._offer(node)
-
-    def _top(self, heap: list, unit: UnitKind, need_state: bool, parked: list) -> Optional[tuple]:
-        """The lowest valid entry of `heap` (left on the heap), re-ranking stale scores."""
-        while heap:
-            score, _, node, entry_unit, version = heap[0]
-            if getattr(node, "_hs_dead", False) or version != _version(node):
-                heapq.heappop(heap)
-                continue
-            if self.unit_of(node) is not unit:  # reclassified without a notification, or locked
-                heapq.heappop(heap)
-                self._dirty[id(node)] = node  # offered (or set aside) by the next flush
-                continue
-            if need_state and not has_device_state(node):
-                parked.append(heapq.heappop(heap))  # frees no state slot; valid for token walks
-                continue
-            current = self.score(node, unit)
-            if current > score + 1e-9:
-                heapq.heapreplace(heap, (current, next(self._seq), node, unit, version))
-                continue
-            return heap[0]
-        return None
-
-    def check_offered(self) -> None:
-        """Invariant H4: after a flush, every current device unit has a live heap entry."""
-        self._reoffer_unlocked()
-        self.flush()
-        live = {(id(e[2]), e[3]) for heap in (self.bundles, self.checkpoints) for e in heap
-                if not getattr(e[2], "_hs_dead", False) and e[4] == _version(e[2])}
-        for node in self.tree_core._node_arena.values():
-            unit = self.unit_of(node)
-            if unit is not None and (id(node), unit) not in live:
-                raise AssertionError(f"H4: node {node.id} forms a {unit.value} unit but is not offered")
-
-    # --- walks -----------------------------------------------------------------------------------
+    # --- walks ---------------------------------------------------------------------------------
 
     def begin_walk(self) -> None:
-        self._ctx = None  # snapshot the terminal-hit probability for this walk
-        self._reoffer_unlocked()
-        self.flush()
+        self._walk_depth += 1
 
-    def next_victim(self, want_state: bool) -> Optional[tuple[Any, UnitKind]]:
-        """Pop the lowest-scored unit that frees KV (`want_state=False`) or a state slot."""
-        while True:
-            self.flush()
-            parked: list = []
-            try:
-                best_bundle = self._top(self.bundles, UnitKind.BUNDLE, want_state, parked)
-                best_ckpt = self._top(self.checkpoints, UnitKind.CHECKPOINT, False, parked) if want_state else None
-                if self._dirty:  # a top was reclassified: offer it under its unit and look again
-                    continue
-                candidates = [e for e in (best_bundle, best_ckpt) if e is not None]
-                if not candidates:
-                    return None
-                entry = min(candidates)
-                # Both tops are still at heap[0]; pop the winner before the parked entries return.
-                heapq.heappop(self.bundles if entry[3] is UnitKind.BUNDLE else self.checkpoints)
-                return entry[2], entry[3]
-            finally:
-                for parked_entry in parked:
-                    heapq.heappush(self.bundles, parked_entry)
+    def end_walk(self) -> None:
+        self._walk_depth -= 1
+        if self._walk_depth == 0 and self._deferred:
+            deferred, self._deferred = self._deferred, {}
+            for node in deferred.values():
+                if node.is_alive:
+                    self.touch(node)
+
+    def _rank(self, node: CoreNode, unit: UnitKind, tier_index: int) -> Optional[float]:
+        tier = ALL_TIERS[tier_index]
+        if unit not in tier_units(node, self.tree_core, tier):
+            return None  # locked, or reclassified without a notification: parked until on_change
+        return self.state.score(node, unit, _BITS[tier])
+
+    def next_victim(self, tier: Tier, accept: Optional[Callable[[CoreNode, UnitKind], bool]] = None) -> Optional[tuple]:
+        """Pop the lowest-ranked unit of `tier` that `accept` takes: (node, unit) or None."""
+        heap = self.heaps[tier]
+        victim = heap.pop_lowest(self._rank, None if accept is None else (lambda n, u, t: accept(n, u)))
+        if len(heap) > _COMPACT_FACTOR * (len(self.tree_core._node_arena) + 1024):
+            heap.compact()
+        if victim is None:
+            return None
+        node, unit, _, _ = victim
+        node.offered = ()  # the unit leaves: SGLang's next leaf-set update re-offers what remains
+        return node, unit
+
+    # --- invariants (tests) ----------------------------------------------------------------------
+
+    def check_offered(self) -> None:
+        """H4: every unit SGLang could evict now has a live heap entry (nothing escapes eviction)."""
+        live = set()
+        for heap in self.heaps.values():
+            live |= heap.live_units()
+        for sg in self.tree_core._node_arena.values():
+            node = core_of(sg)
+            for unit, t in self.units(node):
+                if (id(node), unit, t) not in live:
+                    raise AssertionError(f"H4: node {sg.id} forms a {unit.value} unit in "
+                                         f"{ALL_TIERS[t].name} but is not offered")
+
+
+def frees_state(node: CoreNode, unit: UnitKind, tier: Tier) -> bool:
+    """Whether evicting `unit` from `tier` takes `node`'s checkpoint copy there: a checkpoint unit; a
+    device bundle (SGLang's FULL eviction cascades to the state); a host bundle (the node goes); an SSD
+    bundle on a true leaf (the core's terminal bundle)."""
+    if unit is UnitKind.CHECKPOINT:
+        return True
+    data = node.sg.component_data[MAMBA]
+    if tier is Tier.GPU:
+        return data.value is not None
+    if tier is Tier.CPU:
+        return data.host_value is not None
+    return node.ssd_state and not node.sg.children
+
+
+def takes_device_state(node: CoreNode, unit: UnitKind) -> bool:
+    """What a MAMBA device walk may take: units that free a device state slot."""
+    return frees_state(node, unit, Tier.GPU)
+
+
+def takes_host_state(node: CoreNode, unit: UnitKind) -> bool:
+    return frees_state(node, unit, Tier.CPU)
+
+
+def is_bundle(node: CoreNode, unit: UnitKind) -> bool:
+    return unit is UnitKind.BUNDLE

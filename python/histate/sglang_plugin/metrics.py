@@ -10,10 +10,11 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_reused_tokens_total            tokens reused (DESIGN.md hit accounting: c)
   sglang:histate_input_tokens_total             tokens looked up (hit rate = reused / input)
   sglang:histate_checkpoints{tier}              checkpoints resident per tier (gauge)
-  sglang:histate_evictions_total{unit}          eviction decisions by unit: checkpoint | bundle
+  sglang:histate_evictions_total{unit,tier}     eviction decisions by unit (checkpoint | bundle) and tier
   sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
   sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
   sglang:histate_prefill_chunk_cuts_total{kind} chunk ends moved onto planned checkpoints
+  sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
 
 Every value is also kept as a plain integer in `totals` (tests and benchmarks read these), so
 recording works identically with Prometheus off (`--enable-metrics` not given).
@@ -24,7 +25,9 @@ import threading
 from collections import Counter as _Tally
 from typing import Any, Mapping, Optional
 
-TIERS = ("device", "host", "storage")
+from histate.core import SGLANG_TIER_NAMES
+
+TIERS = tuple(SGLANG_TIER_NAMES.values())
 UNITS = ("checkpoint", "bundle")
 CUT_KINDS = ("floor", "split")
 
@@ -62,12 +65,15 @@ class HiStateMetrics:
                 ("tier",))
         counter("reused_tokens_total", "Tokens reused without recomputation (KV + a checkpoint).")
         counter("input_tokens_total", "Tokens looked up in the cache (denominator of the hit rate).")
-        counter("evictions_total", "Unified-eviction decisions by unit: intermediate checkpoint or "
-                "terminal bundle (last KV segment + terminal checkpoint).", ("unit",))
+        counter("evictions_total", "Unified-eviction decisions by unit (intermediate checkpoint or "
+                "terminal bundle: last KV segment + terminal checkpoint) and tier (device, host, storage).",
+                ("unit", "tier"))
         counter("ssd_read_bytes_total", "Bytes read from HiState's SSD tier.")
         counter("ssd_written_bytes_total", "Bytes written to HiState's SSD tier.")
         counter("prefill_chunk_cuts_total", "Chunked-prefill chunk ends moved onto planned "
                 "checkpoint positions ('split' adds a forward pass, 'floor' does not).", ("kind",))
+        counter("ssd_restores_total", "Checkpoints restored from the SSD tier to a host slot; 'miss' when "
+                "any rank could not read its copy (the request then runs without it).", ("result",))
         self._prom["checkpoints"] = gauge_cls(
             name="sglang:histate_checkpoints", documentation="Checkpoints resident per tier.",
             labelnames=names + ["tier"], multiprocess_mode="mostrecent", registry=registry)
@@ -86,14 +92,17 @@ class HiStateMetrics:
             self._inc("reused_tokens_total", reused_tokens)
             self._inc("prefix_hits_total", 1, tier=tier)
 
-    def record_eviction(self, unit: str) -> None:
-        self._inc("evictions_total", 1, unit=unit)
+    def record_eviction(self, unit: str, tier: int) -> None:
+        self._inc("evictions_total", 1, unit=unit, tier=SGLANG_TIER_NAMES[tier])
 
     def record_ssd_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
         if read_bytes:
             self._inc("ssd_read_bytes_total", read_bytes)
         if written_bytes:
             self._inc("ssd_written_bytes_total", written_bytes)
+
+    def record_restore(self, *, ok: bool) -> None:
+        self._inc("ssd_restores_total", 1, result="ok" if ok else "miss")
 
     def record_chunk_cut(self, kind: str) -> None:
         self._inc("prefill_chunk_cuts_total", 1, kind=kind)

@@ -1,155 +1,130 @@
-"""Per-cache HiState state on SGLang's side: clock, core policy, EMAs, ranker, interval plans.
+"""The SGLang side of HiState's policy engine: one `histate.core.PolicyState` over SGLang's tree.
 
-`HiStateRuntime` is what the tree cache and its components consult. It owns no tree: SGLang's
-`UnifiedTreeCore` is the tree, and the decisions come from `histate.core` (the policy's eviction
-score and refresh rule, the interval controller of eq. 3-6, the terminal-hit EMA), applied to
-SGLang nodes through `NodeView`. Time is wall-clock seconds from an injectable `clock`
-(`time.monotonic` in the server, a logical clock in tests and the fidelity replay).
+`HiStateRuntime` is to SGLang's tree what `histate.core.HybridPrefixCache` is to the core's own tree,
+minus the tree: SGLang owns structure, memory and data movement, and HiState decides through the same
+core objects every executor uses:
+  * `PolicyState` (refresh on hit incl. refresh-all, the terminal-hit EMA and the learned near-end
+    prior, residence samples, admission `plan`, eq. 7 `score`), built with `node_unit_tokens=1`
+    because SGLang's edges count tokens while checkpoints sit on the state grid;
+  * `TierVictims` (eviction.py): the core's `VictimHeap`s, one per tier, over `CoreNode`s.
+Defaults (tau, EMA weight, terminal prior, intervals) come from `histate.core` through `CacheConfig`.
+
+Time is the cache's clock: in the server an `AgreedClock` (clock.py) every TP/PP rank reads the same
+value from; in tests a logical clock.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-import time
 from typing import Any, Callable, Optional
 
-from histate.core import AdmissionContext, CacheConfig, Ema, IntervalController, Tier, UnitKind, make_policy
+from histate.core import SGLANG_TIER_NAMES, CacheConfig, PolicyState, Tier, UnitKind, make_policy
 
 from .config import HiStateConfig
-from .eviction import UnifiedEvictionRanker
+from .core_nodes import CoreNode, core_of
+from .eviction import TierVictims, frees_state
 from .metrics import HiStateMetrics
-from .node_view import ScoringContext, depth_tokens, has_device_state, has_host_state
-
-DEFAULT_EMA_ALPHA = 0.1
-DEFAULT_TERMINAL_HIT_PRIOR = 0.9
 
 
 class HiStateRuntime:
     def __init__(self, config: HiStateConfig, *, grid_tokens: int, kv_bytes_per_token: int,
-                 checkpoint_bytes: int, policy: Any = None, clock: Callable[[], float] = time.monotonic,
+                 checkpoint_bytes: int, device_bytes: int, clock: Callable[[], float], policy: Any = None,
                  metrics: Optional[HiStateMetrics] = None):
         self.config = config
         self.grid_tokens = grid_tokens
-        self.policy = policy if policy is not None else make_policy("histate")
         self.clock = clock
         self.metrics = metrics if metrics is not None else HiStateMetrics()
-        # Scores are in tokens (page_num_tokens=1): SGLang edges are not checkpoint-grid aligned.
-        self.scoring_config = CacheConfig(
-            page_num_tokens=1, kv_bytes_per_token=kv_bytes_per_token, checkpoint_size_bytes=checkpoint_bytes,
-            capacity_bytes={Tier.GPU: 1}, tau_s=config.tau_s, ema_alpha=DEFAULT_EMA_ALPHA,
-            initial_terminal_hit_prob=DEFAULT_TERMINAL_HIT_PRIOR)
-        # Admission works in checkpoint-grid pages (positions must sit on the state grid).
-        self.admission_config = CacheConfig(
+        self._policy = policy if policy is not None else make_policy("histate")
+        self.core_config = CacheConfig(
             page_num_tokens=grid_tokens, kv_bytes_per_token=kv_bytes_per_token,
-            checkpoint_size_bytes=checkpoint_bytes, capacity_bytes={Tier.GPU: 1},
-            supported_intervals_pages=config.intervals_pages(grid_tokens), ema_alpha=DEFAULT_EMA_ALPHA)
-        self.controller = IntervalController(self.admission_config.checkpoint_token_equiv / grid_tokens,
-                                             self.admission_config.supported_intervals_pages, DEFAULT_EMA_ALPHA)
-        self.terminal_hits = Ema(DEFAULT_EMA_ALPHA, DEFAULT_TERMINAL_HIT_PRIOR)
-        self.ssd: Any = None  # HiStateStorageBackend once the SSD tier is attached
-        self.ranker = UnifiedEvictionRanker(self.policy, self._scoring_context)
+            checkpoint_size_bytes=checkpoint_bytes, capacity_bytes={Tier.GPU: device_bytes}, tau_s=config.tau_s,
+            supported_intervals_pages=config.intervals_pages(grid_tokens))
+        self.state = PolicyState(self._policy, self.core_config, node_unit_tokens=1)
+        self.victims = TierVictims(self.state)
+        self.ssd_tier: Any = None  # ssd_tier.SsdTier once an SSD backend is attached
 
-    # --- clocks and scoring ---------------------------------------------------------------------
+    def add_ssd_capacity(self, ssd_bytes: int) -> None:
+        """The SSD tier exists (attached while SGLang builds the cache, before any request): the home
+        tier of historical checkpoints, whose capacity Little's law needs (T_state before evictions)."""
+        self.core_config = dataclasses.replace(
+            self.core_config, capacity_bytes={**self.core_config.capacity_bytes, Tier.SSD: ssd_bytes})
+        self.state = self.victims.state = PolicyState(self._policy, self.core_config, node_unit_tokens=1)
+
+    def bytes_in(self, tier: Tier, size_bytes: int) -> None:
+        """Bytes entered a tier (an insert, a load-back, an acknowledged SSD backup): the insertion rates
+        of Little's law, as the core's ItemBook reports every put."""
+        self.state.on_bytes_in(tier, size_bytes, self.now())
+
+    @property
+    def policy(self) -> Any:
+        return self._policy
 
     def now(self) -> float:
         return self.clock()
 
-    def _scoring_context(self) -> ScoringContext:
-        return ScoringContext(self.scoring_config, self.terminal_hits.value, self.state_on_ssd)
+    # --- stamps ------------------------------------------------------------------------------------
 
-    def state_on_ssd(self, node: Any) -> bool:
-        """Whether `node`'s checkpoint has a usable SSD copy (keyed by its last page hash)."""
-        if self.ssd is None or getattr(node, "_hs_ssd_bad", False):
-            return False
-        hashes = node.hash_value
-        return bool(hashes) and self.ssd.has_state(hashes[-1])
+    def new_node(self, node: CoreNode, now_s: float) -> None:
+        """A node SGLang just created with KV (insert): its KV stay starts now."""
+        node.kv_access_s = node.kv_created_s = now_s
 
-    def checkpoint_tier(self, node: Any) -> Optional[str]:
-        """Fastest tier holding `node`'s checkpoint ('device' | 'host' | 'storage'), None if none."""
-        if node.parent is None:
-            return None
-        if has_device_state(node):
-            return "device"
-        if has_host_state(node):
-            return "host"
-        if self.state_on_ssd(node):
-            return "storage"
-        return None
+    def new_checkpoint(self, node: CoreNode, now_s: float) -> None:
+        """A state landed at `node`'s end (insert): stamp it and re-offer the units whose cost it
+        lowered (the core's `_add_checkpoint`)."""
+        node.ckpt_access_s = node.ckpt_created_s = now_s
+        self.victims.touch_checkpoint_neighbourhood(node)
 
-    # --- stamps ----------------------------------------------------------------------------------
+    # --- matches -----------------------------------------------------------------------------------
 
-    def stamp_kv(self, node: Any, now_s: float) -> None:
-        node._hs_kv_access_s = now_s
-        if not hasattr(node, "_hs_kv_created_s"):
-            node._hs_kv_created_s = now_s
+    def on_match(self, last_sg: Any, kv_match_tokens: int, req: Any, input_tokens: int,
+                 now_s: float) -> Optional[CoreNode]:
+        """Core `begin_request` semantics on SGLang's match: refresh KV along the matched path, the used
+        checkpoint (the deepest one on it in any tier, as the core's c) and, for refresh-all policies,
+        every checkpoint above it; once per request, learn q and the near-end prior and count the hit
+        (by the tier of that checkpoint: an SSD one is restored before admission). Returns the node of
+        the used checkpoint (None: nothing reusable)."""
+        path = []
+        sg = last_sg
+        while sg is not None and sg.parent is not None:
+            path.append(core_of(sg))
+            sg = sg.parent
+        path.reverse()
+        ckpt_node = next((n for n in reversed(path) if n.ckpt_mask), None)
+        self.state.refresh(path, path, ckpt_node, now_s)
+        if req is not None and not getattr(req, "_hs_observed", False):
+            req._hs_observed = True  # a retried admission is not evidence twice
+            diverged_in = path[-1] if path else None
+            self.state.observe_match(kv_match_tokens, self.state.end_offset(diverged_in, kv_match_tokens))
+            mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
+            self.metrics.record_match(input_tokens=input_tokens, reused_tokens=ckpt_node.depth_pages if mask else 0,
+                                      tier=SGLANG_TIER_NAMES[Tier((mask & -mask).bit_length() - 1)] if mask else None)
+        return ckpt_node
 
-    def stamp_new_checkpoint(self, node: Any, now_s: float, is_new_leaf: bool) -> None:
-        if is_new_leaf:
-            self.stamp_kv(node, now_s)
-        node._hs_ckpt_access_s = now_s
-        node._hs_ckpt_created_s = now_s
-        node._hs_ssd_bad = False  # a new state; its SSD copy (when written) is a new object
-        self.ranker.touch_checkpoint_neighbourhood(node)
+    def on_node_removed(self, node: CoreNode) -> None:
+        """SGLang unlinked `node` (eviction, or a tombstone chain it cleaned up)."""
+        self.victims.on_removed(node)
+        if self.ssd_tier is not None:
+            self.ssd_tier.on_node_removed(node)
 
-    def refresh_on_match(self, best: Any, last_visited: Any, now_s: float) -> None:
-        """Core `begin_request` refresh: KV along the whole matched path, the used checkpoint,
-        and (refresh-all policies) every checkpoint above it on the path."""
-        node = last_visited
-        while node is not None and node.parent is not None:
-            node._hs_kv_access_s = now_s
-            node = node.parent
-        if best is None or best.parent is None:
-            return
-        best._hs_ckpt_access_s = now_s
-        if self.policy.refresh_all:
-            node = best.parent
-            while node is not None and node.parent is not None:
-                if self.checkpoint_tier(node) is not None:
-                    node._hs_ckpt_access_s = now_s
-                node = node.parent
-
-    def observe_request_match(self, req: Any, best: Any, kv_hit_tokens: int, input_tokens: int) -> None:
-        """Once per request: terminal-hit EMA (core semantics) and the hit metrics."""
-        if req is None or getattr(req, "_hs_observed", False):
-            return
-        try:
-            req._hs_observed = True  # SGLang's Req takes attributes; a retried admission is not re-counted
-        except AttributeError:
-            return
-        reused = depth_tokens(best) if best is not None and best.parent is not None else 0
-        if kv_hit_tokens > 0:
-            terminal = best is not None and best.parent is not None and not best.children
-            self.terminal_hits.observe(1.0 if terminal else 0.0)
-        self.metrics.record_match(input_tokens=input_tokens, reused_tokens=reused,
-                                  tier=self.checkpoint_tier(best) if reused else None)
-
-    # --- eviction bookkeeping -----------------------------------------------------------------------
-
-    def on_evicted(self, node: Any, unit: UnitKind, now_s: float) -> None:
-        """Residence-time samples, with the core's definitions (histate.core.placement):
-        T_KV when a bundle's KV leaves the device, T_state when a checkpoint loses its last copy."""
-        self.metrics.record_eviction(unit.value)
-        if unit is UnitKind.BUNDLE and hasattr(node, "_hs_kv_created_s"):
-            self.controller.kv_residence_s.observe(max(0.0, now_s - node._hs_kv_created_s))
-        if (has_device_state(node) and not has_host_state(node) and not self.state_on_ssd(node)
-                and hasattr(node, "_hs_ckpt_created_s")):
-            self.controller.state_residence_s.observe(max(0.0, now_s - node._hs_ckpt_created_s))
-
-    def on_ssd_state_written(self) -> None:
-        self.controller.note_state_written(self.now())
-
-    def on_ssd_state_evicted(self, residence_s: float) -> None:
-        self.controller.state_residence_s.observe(max(0.0, residence_s))
-
-    # --- adaptive interval control --------------------------------------------------------------------
+    # --- admission (eq. 3-6) -------------------------------------------------------------------------
 
     def plan_checkpoints(self, reused_tokens: int, input_tokens: int,
                          kv_match_tokens: Optional[int] = None) -> list[int]:
-        """Token positions in (reused, input] where the forward pass should leave a state: the
-        policy's admission rule (for `histate`: eq. 5 intervals for this segment, the observed
-        branch point at the KV match end, and the last grid position)."""
+        """Token positions in (reused, input] where the forward pass should leave a state: the policy's
+        admission rule (for `histate`: eq. 5 intervals, the observed branch point at the KV match end,
+        and the last grid position)."""
         grid = self.grid_tokens
-        start_pages = math.ceil(reused_tokens / grid)
-        match_pages = (kv_match_tokens if kv_match_tokens is not None else reused_tokens) // grid
-        ctx = AdmissionContext(start_pages, match_pages, input_tokens // grid, self.controller,
-                               self.admission_config, self.now())
-        return [p * grid for p in self.policy.admit(ctx)]
+        match = reused_tokens if kv_match_tokens is None else kv_match_tokens
+        pages = self.state.plan(math.ceil(reused_tokens / grid), match // grid, input_tokens // grid, self.now())
+        return [p * grid for p in pages]
+
+    # --- eviction bookkeeping --------------------------------------------------------------------------
+
+    def on_evicted(self, node: CoreNode, unit: UnitKind, tier: Tier, now_s: float) -> None:
+        """Residence samples with the core's definitions: T_KV when a bundle's KV leaves the device,
+        T_state when a checkpoint loses its last copy."""
+        self.metrics.record_eviction(unit.value, tier)
+        if unit is UnitKind.BUNDLE and tier is Tier.GPU:
+            self.state.on_kv_left_gpu(node, now_s)
+        if frees_state(node, unit, tier) and not node.ckpt_mask & ~(1 << tier):
+            self.state.on_state_gone(node, now_s)

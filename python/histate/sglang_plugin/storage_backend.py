@@ -98,7 +98,7 @@ def rank_namespace(storage_config: HiCacheStorageConfig) -> str:
 
 
 def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None, *, namespace: str = "",
-               num_ranks: int = 1) -> Any:
+               num_ranks: int = 1, on_capacity_needed: Optional[Callable[[int], Any]] = None) -> Any:
     """A CheckpointStore from the `histate` section of the extra config, in `namespace` under each
     directory. A namespace held by a live store (a data-parallel replica with the same rank identity)
     makes it take the next free slot, `<namespace>.1`, `<namespace>.2`, ..."""
@@ -113,7 +113,7 @@ def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None, 
         config = StoreConfig(dirs=section["ssd_dirs"], capacity_bytes=budget,
                              backend=section.get("io_backend", "auto"), namespace=name)
         try:
-            return CheckpointStore(config, on_evict=on_evict)
+            return CheckpointStore(config, on_evict=on_evict, on_capacity_needed=on_capacity_needed)
         except DirectoryInUse:
             logger.info("HiState storage: %s is in use; trying the next slot", name)
     raise HiStateConfigError(f"--histate-ssd-dir: all {MAX_REPLICA_SLOTS} slots of {namespace} are in use")
@@ -128,11 +128,12 @@ class HiStateStorageBackend(HiCacheStorage):
         section = extra.get(EXTRA_CONFIG_KEY)
         self.key_suffix = rank_suffix(storage_config)
         self.metrics: Any = None  # HiStateMetrics, set by the tree cache once attached
-        self.on_state_evicted: Optional[Callable[[float], None]] = None  # T_state EMA feed
-        self.on_state_written: Optional[Callable[[], None]] = None  # first SSD checkpoint (censoring)
+        # The SSD tier's `pick_ssd_victims` (ssd_tier.py), set by the tree cache once attached. Victims
+        # come from HiState's ranking; until it is attached a put that does not fit fails.
+        self.pick_victims: Optional[Callable[[int], list]] = None
         self.store = store if store is not None else open_store(
             section, on_evict=self._on_evict, namespace=rank_namespace(storage_config),
-            num_ranks=storage_config.tp_size * storage_config.pp_size)
+            num_ranks=storage_config.tp_size * storage_config.pp_size, on_capacity_needed=self._on_capacity_needed)
         self.registered_pools: dict = {}
         # Checkpoints on SSD (for the per-tier gauge); warm restarts start from the rebuilt index.
         self.num_states = sum(1 for k in self.store.keys() if not k.startswith(f"{KV_POOL}/")
@@ -143,13 +144,15 @@ class HiStateStorageBackend(HiCacheStorage):
     def store_key(self, pool: Any, page_hash: str) -> str:
         return f"{getattr(pool, 'value', pool)}/{page_hash}{self.key_suffix}"
 
+    def _on_capacity_needed(self, bytes_needed: int) -> list:
+        pick = self.pick_victims
+        return list(pick(bytes_needed)) if pick is not None else []
+
     def _on_evict(self, event: Any) -> None:
         if event.key.startswith(f"{KV_POOL}/") or not event.key.endswith(self.key_suffix):
             return
         if event.reason != "replaced":
             self.num_states -= 1
-        if self.on_state_evicted is not None:
-            self.on_state_evicted(event.residence_s)
 
     def _count_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
         if self.metrics is not None:
@@ -171,35 +174,6 @@ class HiStateStorageBackend(HiCacheStorage):
             return False
         host_pool.set_from_flat_data_page(host_index, page)
         self._count_io(read_bytes=page.numel() * page.element_size())
-        return True
-
-    def read_state_to_device(self, page_hash: str, mamba_pool: Any, physical_slot: int,
-                             pool: Any = "mamba") -> bool:
-        """Copy one stored checkpoint straight into device state slot `physical_slot`.
-
-        The stored bytes are the MAMBA host pool's flat page (temporal, then each conv buffer,
-        then side states; every tensor layer-major), so they scatter onto the device buffers the
-        host pool mirrors, in the same order. False on any miss, fault or size mismatch.
-        """
-        from histate.storage import aligned_empty
-
-        (info,) = mamba_pool.get_device_pool_infos()
-        buffers = info.buffer_info
-        views = [buffers.temporal[:, physical_slot], *(c[:, physical_slot] for c in buffers.conv),
-                 *(b[physical_slot] for b in buffers.extra_checkpoint_buffers)]
-        sizes = [v.numel() * v.element_size() for v in views]
-        key = self.store_key(pool, page_hash)
-        if self.store.payload_bytes(key) != sum(sizes):
-            return False
-        page = torch.from_numpy(aligned_empty(sum(sizes)))
-        if not self.store.get(key, out=page).hit:
-            return False
-        offset = 0
-        for view, size in zip(views, sizes):
-            chunk = page[offset:offset + size].view(view.dtype).reshape(view.shape)
-            view.copy_(chunk)
-            offset += size
-        self._count_io(read_bytes=offset)
         return True
 
     # --- KV pages: the generic page path ---------------------------------------------------------
@@ -329,8 +303,6 @@ class HiStateStorageBackend(HiCacheStorage):
                 self._count_io(written_bytes=page.numel() * page.element_size())
                 if transfer.name != KV_POOL:
                     self.num_states += 1
-                    if self.on_state_written is not None:
-                        self.on_state_written()
         return flags
 
     # --- lifecycle -----------------------------------------------------------------------------------

@@ -3,31 +3,36 @@
 `histate_cache_factory` is the radix-cache backend "histate" (`register_radix_cache_backend`,
 selected by `--radix-cache-backend histate`, which `--enable-histate` sets). It keeps SGLang's
 construction path (`create_unified_radix_cache`: component setup, HiCache attach) and swaps in:
-  * `HiStateRadixCache` -- the cache class: a `HiStateRuntime` (runtime.py), the tree core
-    "histate" (tree_core.py), the FULL/MAMBA component overrides (components.py), and a match
-    that refreshes per HiState's policy and restores SSD-only checkpoints to the device;
+  * `HiStateRadixCache` -- the cache class: a `HiStateRuntime` (runtime.py: the core's PolicyState
+    and victim heaps over SGLang's nodes), the tree core "histate" (tree_core.py), the FULL/MAMBA
+    component overrides (components.py), a match that refreshes and learns per HiState's policy, the
+    agreed clock (clock.py) and the SSD tier (ssd_tier.py);
   * HiState's host sizing (host_stack.py) for the HiCache host pools it attaches.
 The cache's observable contract (match/insert/evict/lock, `sanity_check`) is SGLang's.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Optional
 
-
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from histate.core import Tier
 
 from .components import HiStateFullComponent, HiStateMambaComponent
 from .config import HiStateConfig, HiStateConfigError, resolve_config
 from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
+from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics
 from .runtime import HiStateRuntime
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import register_tree_core
 
 logger = logging.getLogger(__name__)
+
 
 def kv_bytes_per_token(kvcache: Any) -> int:
     """Device KV bytes of one token over every full-attention layer."""
@@ -39,11 +44,21 @@ def kv_bytes_per_token(kvcache: Any) -> int:
     return max(1, int(total) // int(rows))
 
 
+def device_bytes(params: Any, kv_bytes_per_token: int, state_bytes: int) -> int:
+    """Device bytes of the KV and state pools the tree caches into (the GPU capacity of Little's law)."""
+    kv_tokens = params.token_to_kv_pool_allocator.size
+    state_slots = params.req_to_token_pool.mamba_pool.size
+    return max(1, kv_tokens * kv_bytes_per_token + state_slots * state_bytes)
+
+
 class HiStateRadixCache(UnifiedRadixCache):
     """SGLang's unified radix cache making HiState's decisions (see module docstring)."""
 
     def __init__(self, params: Any, *, histate_config: Optional[HiStateConfig] = None, policy: Any = None,
-                 clock: Optional[Callable[[], float]] = None, metrics: Optional[HiStateMetrics] = None):
+                 clock: Optional[Callable[[], float]] = None, metrics: Optional[HiStateMetrics] = None,
+                 local_clock: Callable[[], float] = time.monotonic):
+        """`clock`: a logical clock for tests (no agreement); by default an `AgreedClock` over
+        `local_clock`, this rank's wall clock."""
         from sglang.srt.runtime_context import mamba_checkpoint_grid
 
         config = histate_config or current_build_config() or resolve_config({"enable": True}, {})
@@ -57,54 +72,135 @@ class HiStateRadixCache(UnifiedRadixCache):
         if metrics is None:
             metrics = (shared_metrics(radix_cache_labels(type(self).__name__), export=True)
                        if params.enable_metrics else HiStateMetrics())
-        runtime_kwargs = {} if clock is None else {"clock": clock}
+        self.agreed_clock = AgreedClock(local_clock) if clock is None else None
+        kv_bytes = kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache())
+        state_bytes = mamba_slot_bytes(params.req_to_token_pool.mamba_pool)
         self.histate = HiStateRuntime(
-            config, grid_tokens=mamba_checkpoint_grid(params.page_size),
-            kv_bytes_per_token=kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache()),
-            checkpoint_bytes=mamba_slot_bytes(params.req_to_token_pool.mamba_pool),
-            policy=policy, metrics=metrics, **runtime_kwargs)
+            config, grid_tokens=mamba_checkpoint_grid(params.page_size), kv_bytes_per_token=kv_bytes,
+            checkpoint_bytes=state_bytes, device_bytes=device_bytes(params, kv_bytes, state_bytes),
+            clock=clock or self.agreed_clock, policy=policy, metrics=metrics)
+        self._hs_agreeing = False
         super().__init__(params)
-        self.tree_core.histate_ranker = self.histate.ranker
-        self.histate.ranker.tree_core = self.tree_core
+        self.tree_core.histate = self.histate
+        self.histate.victims.tree_core = self.tree_core
 
     # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
 
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
+        self.histate.victims.enable_tier(Tier.CPU)
         backend = getattr(self.cache_controller, "storage_backend", None)
         self.attach_ssd(getattr(backend, "_backend", backend))
 
     def attach_ssd(self, backend: Any) -> None:
-        """Use `backend` (a HiStateStorageBackend) as the SSD tier of matches and metrics."""
+        """Use `backend` (a HiStateStorageBackend) as the SSD tier (ssd_tier.py)."""
+        from .ssd_tier import SsdTier
         from .storage_backend import HiStateStorageBackend
 
         if not isinstance(backend, HiStateStorageBackend):
             return
-        self.histate.ssd = backend
         backend.metrics = self.histate.metrics
-        backend.on_state_evicted = self.histate.on_ssd_state_evicted
-        backend.on_state_written = self.histate.on_ssd_state_written
+        if Tier.SSD not in self.histate.core_config.capacity_bytes:
+            self.histate.add_ssd_capacity(backend.store.config.capacity_bytes)
+        self.histate.ssd_tier = SsdTier(self, backend)
+
+    def detach_storage_backend(self) -> tuple[bool, str]:
+        """SGLang's runtime detach closes the backend: stop using it first (restores end, SSD bits go)."""
+        self._detach_ssd()
+        return super().detach_storage_backend()
+
+    def attach_storage_backend(self, *args: Any, **kwargs: Any) -> tuple[bool, str]:
+        self._detach_ssd()
+        ok, message = super().attach_storage_backend(*args, **kwargs)
+        if ok:
+            backend = getattr(self.cache_controller, "storage_backend", None)
+            self.attach_ssd(getattr(backend, "_backend", backend))
+        return ok, message
+
+    def _detach_ssd(self) -> None:
+        tier, self.histate.ssd_tier = self.histate.ssd_tier, None
+        if tier is not None:
+            tier.close()
+
+    # --- rank agreement: the clock rides on SGLang's per-step all-reduce ----------------------------
+
+    def _sync_hicache_ready_counts(self) -> Any:
+        self._hs_agreeing = True
+        try:
+            return super()._sync_hicache_ready_counts()
+        finally:
+            self._hs_agreeing = False
+
+    def _all_reduce(self, data: Any, tp_reduce_op: Any) -> None:
+        """SGLang's per-step MIN all-reduce of HiCache ready counts (clock.py) carries HiState's
+        samples too: the clock, and the negated SSD usage (MIN of negatives: the largest usage of any
+        rank, which SSD trimming decides on). One collective, the same on every rank."""
+        if not self._hs_agreeing:
+            super()._all_reduce(data, tp_reduce_op)
+            return
+        import torch
+
+        self._hs_agreeing = False
+        clock, tier = self.agreed_clock, self.histate.ssd_tier
+        samples = [clock.sample_ms() if clock is not None else 0, -(tier.local_used_bytes() if tier is not None else 0)]
+        extended = torch.cat([data, torch.tensor(samples, dtype=data.dtype)])
+        super()._all_reduce(extended, tp_reduce_op)
+        data.copy_(extended[:-2])
+        if clock is not None:
+            clock.adopt(int(extended[-2]))
+        if tier is not None:
+            tier.adopt_agreed_usage(-int(extended[-1]))
+
+    # --- the SSD tier's agreed events and restores (ssd_tier.py) ---------------------------------------
+
+    def write_backup_storage(self, node_id: Any) -> None:
+        started = set(self.ongoing_backup)
+        super().write_backup_storage(node_id)
+        tier = self.histate.ssd_tier
+        if tier is not None:
+            for operation_id in set(self.ongoing_backup) - started:
+                tier.on_backup_started(operation_id, self.tree_core.node_by_id(node_id))
+
+    def _drain_storage_control_queues_impl(self, *args: Any, **kwargs: Any) -> None:
+        pending = set(self.ongoing_backup)
+        super()._drain_storage_control_queues_impl(*args, **kwargs)
+        tier = self.histate.ssd_tier
+        if tier is not None:
+            for operation_id in sorted(pending - set(self.ongoing_backup)):
+                tier.on_backup_acked(operation_id)
+
+    def check_hicache_events(self) -> None:
+        super().check_hicache_events()
+        tier = self.histate.ssd_tier
+        if tier is not None:
+            tier.trim()
+            tier.reap()
+
+    def check_prefetch_progress(self, request: Any) -> bool:
+        if not super().check_prefetch_progress(request):
+            return False
+        tier = self.histate.ssd_tier
+        return tier is None or tier.restore_ready(request)
+
+    def release_aborted_request(self, request: Any) -> None:
+        super().release_aborted_request(request)
+        if self.histate.ssd_tier is not None:
+            self.histate.ssd_tier.cancel(request)
 
     # --- matching ----------------------------------------------------------------------------------
 
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
         if self.disable:
             return self.tree_core.empty_match_result
-        while True:  # ends: each pass either returns a usable node or rules one more node out
-            result = self.tree_core.match_prefix(params)
-            self._apply_cache_actions(result.cache_actions)
-            best = self.tree_core.node_by_id(result.best_match_node)
-            if self.histate.checkpoint_tier(best) != "storage":
-                break
-            if not self._restore_state_from_ssd(best):
-                best._hs_ssd_bad = True  # a fault is a miss, never a wrong result
-            # match again: the restored state now counts as a device hit (or the node no longer does)
+        result = self.tree_core.match_prefix(params)
+        self._apply_cache_actions(result.cache_actions)
         runtime = self.histate
         visited = result.last_visited_node_id
-        last = self.tree_core.node_by_id(visited) if visited is not None else best
-        runtime.refresh_on_match(best, last, runtime.now())
+        last = self.tree_core.node_by_id(visited if visited is not None else result.best_match_node)
+        ckpt_node = runtime.on_match(last, result.full_kv_hit_length, params.req, len(params.key), runtime.now())
+        if params.req is not None and runtime.ssd_tier is not None and hasattr(params.req, "cache_request_handle"):
+            runtime.ssd_tier.note_match(params.req.cache_request_handle, ckpt_node)
         if params.req is not None:
-            runtime.observe_request_match(params.req, best, result.full_kv_hit_length, len(params.key))
             self._update_checkpoint_gauges()
         return self._finalize_match_result(params, result)
 
@@ -118,39 +214,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         host_pool = self.host_pool_group.get_pool(PoolName.MAMBA) if self.host_pool_group else None
         if host_pool is not None:
             metrics.set_checkpoints("host", host_pool.size - host_pool.available_size())
-        if self.histate.ssd is not None:
-            metrics.set_checkpoints("storage", self.histate.ssd.num_states)
-
-    def _restore_state_from_ssd(self, node: Any) -> bool:
-        """Read `node`'s checkpoint from the SSD tier into a device state slot (one checkpoint:
-        S / B_ssd + S / B_h2d, whatever the context length). False on any miss or fault.
-
-        It goes to the device directly, not through the host pool: SGLang keeps a state on the
-        host only next to its node's host KV, which an SSD-only checkpoint need not have."""
-        pool = self.req_to_token_pool
-        slot = pool.mamba_allocator.alloc(1)
-        if slot is None:
-            lock = self.lock(node.id)  # making room must not evict the node being restored
-            try:
-                self.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
-            finally:
-                self.unlock(lock)
-            slot = pool.mamba_allocator.alloc(1)
-            if slot is None:
-                return False
-        slot = slot.view(-1)
-        physical = int(pool.translate_mamba_indices(slot)[0])
-        try:
-            restored = self.histate.ssd.read_state_to_device(node.hash_value[-1], pool.mamba_pool, physical)
-        except Exception:  # an unexpected I/O or copy failure is a miss too
-            logger.exception("HiState: restoring checkpoint %s from SSD failed", node.hash_value[-1])
-            restored = False
-        if not restored:
-            pool.mamba_allocator.free(slot)
-            return False
-        self.tree_core.set_component_device_value(node.id, ComponentType.MAMBA, slot.clone())
-        node._hs_ckpt_access_s = self.histate.now()
-        return True
+        if self.histate.ssd_tier is not None:
+            metrics.set_checkpoints("storage", self.histate.ssd_tier.backend.num_states)
 
     # --- adaptive interval control ------------------------------------------------------------------
 

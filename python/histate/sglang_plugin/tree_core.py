@@ -1,10 +1,14 @@
-"""SGLang's Python tree core with change notifications for HiState's eviction ranker.
+"""SGLang's Python tree core plus the change feed HiState's victim heaps need.
 
-Registered as tree-core backend "histate" (`register_tree_core_backend`, SGLang's registry for
-tree cores) and selected per cache through `CacheInitParams.tree_core_backend`. It is the stock
-`UnifiedTreeCore` plus four notifications: every evictable-leaf-set update (insert, split, lock
-release, eviction: whenever a node may have become or stopped being an eviction unit), a state
-materialised on the device (load-back), node removal, and reset. Tree semantics are untouched.
+Registered as tree-core backend "histate" (`register_tree_core_backend`, SGLang's registry for tree
+cores) and selected per cache through `CacheInitParams.tree_core_backend`. It is the stock
+`UnifiedTreeCore` plus notifications to the cache's `HiStateRuntime`; tree semantics are untouched:
+  * every evictable-leaf-set update (insert, split, lock release, eviction, demote) and every
+    duplicate-tracking update (the D->H / H->D acknowledgements that clear DMA marks): the node may have
+    become, stopped being or changed eviction unit (`TierVictims.on_change`);
+  * a state materialised on the device (load-back): a new unit;
+  * a node unlinked (`TierVictims.on_removed`, and the SSD tier forgets or orphans its objects);
+  * reset.
 """
 from __future__ import annotations
 
@@ -12,35 +16,55 @@ from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
+from histate.core import Tier
+
+from .core_nodes import core_of
+
 BACKEND_NAME = "histate"
 
 
 class HiStateTreeCore(UnifiedTreeCore):
-    histate_ranker: Any = None  # set by HiStateRadixCache after construction
+    histate: Any = None  # the cache's HiStateRuntime, set by HiStateRadixCache after construction
 
     def _update_evictable_leaf_sets(self, node: Any) -> None:
-        ranker = self.histate_ranker
-        if ranker is None:
-            super()._update_evictable_leaf_sets(node)
-            return
-        before = ranker.unit_of(node)
         super()._update_evictable_leaf_sets(node)
-        if ranker.unit_of(node) is not before:  # became, stopped being or changed eviction unit
-            ranker.touch(node)
+        if self.histate is not None:
+            self.histate.victims.on_change(core_of(node))
+
+    def _update_duplicate_tracking(self, node: Any) -> None:
+        super()._update_duplicate_tracking(node)
+        if self.histate is not None and node is not self.root_node:
+            self.histate.victims.on_change(core_of(node))
 
     def set_component_device_value(self, node_id: Any, component_type: Any, value: Any) -> None:
+        """An auxiliary component's device value materialised (MAMBA is the only one here: load-back)."""
         super().set_component_device_value(node_id, component_type, value)
-        if self.histate_ranker is not None:  # a state (re)appeared on the device: a new unit
-            self.histate_ranker.touch(self.node_by_id(node_id))
+        if self.histate is not None:
+            self.histate.victims.on_change(core_of(self.node_by_id(node_id)))
+            self.histate.bytes_in(Tier.GPU, self.histate.core_config.checkpoint_size_bytes)
+
+    def attach_host_state(self, node: Any, host_slot: Any) -> None:
+        """A state restored from SSD becomes the node's host copy, placed as SGLang's own L3 prefetch
+        places one (`MambaComponent.commit_hicache_transfer` PREFETCH, components/mamba.py:1000-1004)."""
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        data = node.component_data[ComponentType.MAMBA]
+        data.host_value = host_slot.clone()
+        if data.value is None:
+            host_lru = self.host_lru_lists[ComponentType.MAMBA]
+            if not host_lru.in_list(node):
+                host_lru.insert_mru(node)
+        self._update_evictable_leaf_sets(node)
 
     def _unregister_node(self, node: Any) -> None:
         super()._unregister_node(node)
-        node._hs_dead = True
+        if self.histate is not None:
+            self.histate.on_node_removed(core_of(node))
 
     def reset(self) -> None:
         super().reset()
-        if self.histate_ranker is not None:
-            self.histate_ranker.reset()
+        if self.histate is not None:
+            self.histate.victims.reset()
 
 
 def _factory(params: Any, components: Any) -> HiStateTreeCore:

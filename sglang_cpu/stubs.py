@@ -8,7 +8,7 @@ torchvision wheels are CUDA builds). Its UnifiedRadixCache test kit imports HF `
 `sglang/__init__.py` does not run first), run its installer with the platform gate answered
 "darwin/arm64/MPS", and add torchvision and datasets stubs built from the same mock-module class.
 
-This module lives in test/ only: the plugin's production path never imports it.
+Shared by the tests and benchmark/sglang_ops.py; the plugin's production path never imports it.
 Call `install()` before the first `import sglang`.
 """
 from __future__ import annotations
@@ -133,5 +133,5 @@ def run_module_as_main(module: str, argv: list[str]) -> None:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
-if __name__ == "__main__":  # python _sglang_cpu_stubs.py <module> [args...]
+if __name__ == "__main__":  # python sglang_cpu/stubs.py <module> [args...]
     run_module_as_main(sys.argv[1], sys.argv[2:])

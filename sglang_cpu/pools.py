@@ -180,12 +180,16 @@ class Driver:
         assert slot is not None, "cannot allocate a state slot"
         return slot.view(-1)
 
+    def step(self) -> None:
+        """What the scheduler does between two forward passes (nothing without HiCache)."""
+
     def serve(self, tokens: list[int], checkpoints: Optional[list[int]] = None,
               plan: Optional[Callable[[int, int, int], list[int]]] = None,
               state_fill: Optional[Callable[[int], float]] = None) -> RequestOutcome:
         """Match `tokens`, then insert a checkpoint at every position of `checkpoints` (token
         counts, page-aligned) or of `plan(reused, len, kv_match)`; the last page-aligned position is the
-        terminal state. `state_fill(position)` writes a recognisable value into each state."""
+        terminal state. `state_fill(position)` writes a recognisable value into each state. One insert
+        per forward pass, as SGLang's scheduler does (`step` runs between them)."""
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
         self.num_requests += 1
@@ -217,5 +221,6 @@ class Driver:
             owned = self.cache.tree_core.collect_full_device_indices(
                 again.last_device_node, self.cache.tree_core.root_node.id)
             done.append(pos)
+            self.step()
         self.cache.unlock(lock)
         return RequestOutcome(reused, result.full_kv_hit_length, done)

@@ -1,0 +1,328 @@
+"""HiState's SSD tier inside SGLang: what is on it, which objects leave it, and checkpoint restores.
+
+The bytes live in `HiStateStorageBackend` (storage_backend.py); SGLang writes them there through its
+own L2 -> L3 write-through (`write_backup_storage` after each host backup, unified_radix_cache.py:
+1990-2020). This module keeps the tree's view of that tier, in a way every TP/PP rank shares:
+
+SSD bits (`CoreNode.ssd_kv` / `ssd_state`) are set when SGLang drains a storage-backup acknowledgement
+(`_drain_storage_control_queues_impl`, whose counts SGLang MIN-all-reduces: unified_radix_cache.py:
+3298-3330), cleared when an agreed SSD eviction or an agreed failed restore removes them. A node SGLang
+deletes while its objects are on SSD leaves them as orphans: SGLang's own L3 prefetch can still find
+them by page hash, HiState's ranking cannot score them (no node), so they go first.
+
+SSD victims (the core's eq. 7 over the SSD bits, `TierVictims` tier SSD) are chosen on the scheduler
+thread once per step (`trim`): when the largest SSD usage of any rank (agreed through the per-step
+all-reduce, clock.py) passes `HIGH_WATERMARK` of the budget, orphans oldest first and then the
+lowest-ranked units are deleted down to `LOW_WATERMARK`, counted in nominal sizes every rank computes
+alike. The store's own `on_capacity_needed` (SGLang's backup thread, between two steps) gets
+`pick_ssd_victims`: orphan keys only, from a snapshot, so it never reads the tree off its thread.
+
+Restores: an SSD-only checkpoint is not a hit of SGLang's match (its validators see device and host).
+A request's match notes the deepest SSD checkpoint on its matched KV path (`note_match`); when the
+scheduler is about to admit the request it asks `check_prefetch_progress` (scheduler.py:4240-4246, the
+hook SGLang's own L3 prefetch uses to hold a request until its data is on the host), and HiState then
+starts reading that checkpoint into a host state slot on an I/O thread and holds the request. Once every
+rank's read finished (MIN all-reduce of done / ok, like SGLang's prefetch hit and completion counts:
+managers/cache_controller.py:1370-1378, hybrid_cache_controller.py:1495-1506 and 1926-1936), the state
+is attached as the node's host copy, exactly where SGLang's PREFETCH commit puts one (components/
+mamba.py:974-1010), and the request's next match is an ordinary host hit that SGLang's load-back
+brings to the device (schedule_policy.py:1517, layer by layer on its load stream). A restore any rank
+failed is a miss on every rank, and the SSD bit goes.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from histate.core import SSD_BIT, Tier, UnitKind
+
+from .core_nodes import MAMBA, CoreNode, core_of
+
+logger = logging.getLogger(__name__)
+
+HIGH_WATERMARK = 0.95  # agreed SSD usage (share of the per-rank budget) that starts a trim
+LOW_WATERMARK = 0.90  # ... and where it stops
+
+
+@dataclass
+class _Backup:
+    node: CoreNode
+    page_hashes: tuple
+    with_state: bool
+
+
+@dataclass
+class _Restore:
+    node: CoreNode
+    host_slot: Any
+    unlock: Any  # DecLockRefParams of the lock held while the read runs
+    read: Future
+
+
+class SsdTier:
+    def __init__(self, cache: Any, backend: Any):
+        self.cache = cache
+        self.runtime = cache.histate
+        self.backend = backend
+        config = self.runtime.core_config
+        self.kv_bytes_per_token = config.kv_bytes_per_token
+        self.checkpoint_bytes = config.checkpoint_size_bytes
+        self.orphans: OrderedDict = OrderedDict()  # store key -> nominal bytes, oldest first
+        self._orphan_keys: tuple = ()  # snapshot for pick_ssd_victims (another thread)
+        self.backups: dict = {}  # SGLang storage-backup operation id -> _Backup
+        self.candidates: dict = {}  # request handle -> CoreNode of its deepest SSD-only checkpoint
+        self.restores: dict = {}  # request handle -> _Restore
+        self._abandoned: list = []  # restores of aborted requests whose read still runs
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="histate-ssd-restore")
+        self.agreed_used_bytes = 0
+        backend.pick_victims = self.pick_ssd_victims
+        self.runtime.victims.enable_tier(Tier.SSD)
+
+    # --- keys and sizes ----------------------------------------------------------------------------
+
+    def _state_key(self, page_hashes) -> str:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        return self.backend.store_key(PoolName.MAMBA, page_hashes[-1])
+
+    def _kv_keys(self, page_hashes) -> list:
+        from .storage_backend import KV_POOL
+
+        return [self.backend.store_key(KV_POOL, h) for h in page_hashes]
+
+    def _kv_bytes(self, node: CoreNode) -> int:
+        return len(node.keys) * self.kv_bytes_per_token
+
+    # --- agreed events: storage backups ------------------------------------------------------------
+
+    def on_backup_started(self, operation_id: Any, sg: Any) -> None:
+        """SGLang queued `sg`'s pages (and its host state, if any) for the SSD (`write_backup_storage`)."""
+        self.backups[operation_id] = _Backup(core_of(sg), tuple(sg.hash_value or ()),
+                                             sg.component_data[MAMBA].host_value is not None)
+
+    def on_backup_acked(self, operation_id: Any) -> None:
+        """SGLang drained the acknowledgement (an agreed event): the node's objects count as on SSD."""
+        backup = self.backups.pop(operation_id, None)
+        if backup is None or not backup.page_hashes:
+            return
+        node = backup.node
+        if not node.is_alive:
+            self._orphan(backup.page_hashes, backup.page_hashes if backup.with_state else ())
+            return
+        had_checkpoint = bool(node.ckpt_mask)
+        if backup.with_state and node.sg.hash_value and node.sg.hash_value[-1] == backup.page_hashes[-1]:
+            node.ssd_state = True
+            self.runtime.state.on_state_written(self.runtime.now())
+        written = set(backup.page_hashes)
+        victims = self.runtime.victims
+        marked = []
+        head = node
+        while head.sg.parent is not None and head.sg.hash_value and set(head.sg.hash_value) <= written:
+            head.ssd_kv = True  # the node, and the heads split off it since the backup started
+            marked.append(head)
+            head = head.parent
+        if node.ckpt_mask and not had_checkpoint:
+            victims.touch_checkpoint_neighbourhood(node)
+        self.runtime.bytes_in(Tier.SSD, len(backup.page_hashes) * self.cache.page_size * self.kv_bytes_per_token
+                              + (self.checkpoint_bytes if node.ssd_state else 0))
+        for changed in marked + ([head] if head.sg.parent is not None else []):
+            victims.touch(changed)  # new SSD units; `head` is no longer an SSD tier-leaf
+
+    def on_node_removed(self, node: CoreNode) -> None:
+        """SGLang deleted `node`: its SSD objects become orphans."""
+        hashes = tuple(node.sg.hash_value or ())
+        if node.ssd_kv or node.ssd_state:
+            self._orphan(hashes if node.ssd_kv else (), hashes if node.ssd_state else ())
+            node.ssd_kv = node.ssd_state = False
+
+    def _orphan(self, kv_hashes: tuple, state_hashes: tuple) -> None:
+        page_bytes = self.kv_bytes_per_token * self.cache.page_size
+        for key in self._kv_keys(kv_hashes):
+            self.orphans[key] = page_bytes
+        if state_hashes:
+            self.orphans[self._state_key(state_hashes)] = self.checkpoint_bytes
+        self._orphan_keys = tuple(self.orphans)
+
+    # --- SSD victims --------------------------------------------------------------------------------
+
+    def local_used_bytes(self) -> int:
+        return self.backend.store.used_bytes
+
+    def adopt_agreed_usage(self, used_bytes: int) -> None:
+        self.agreed_used_bytes = used_bytes
+
+    def trim(self) -> int:
+        """Delete SSD objects down to LOW_WATERMARK once the agreed usage passed HIGH_WATERMARK: orphans
+        oldest first, then the lowest eq. 7 scores. Returns the nominal bytes freed. Scheduler thread."""
+        capacity = self.backend.store.config.capacity_bytes
+        if self.agreed_used_bytes <= HIGH_WATERMARK * capacity:
+            return 0
+        need = self.agreed_used_bytes - LOW_WATERMARK * capacity
+        freed = 0
+        store = self.backend.store
+        while freed < need and self.orphans:
+            key, size = self.orphans.popitem(last=False)
+            store.delete(key)
+            freed += size
+        self._orphan_keys = tuple(self.orphans)
+        victims = self.runtime.victims
+        victims.begin_walk()
+        try:
+            while freed < need:
+                victim = victims.next_victim(Tier.SSD)
+                if victim is None:
+                    break
+                node, unit = victim
+                self.runtime.on_evicted(node, unit, Tier.SSD, self.runtime.now())
+                freed += self.evict_unit(node, unit)
+        finally:
+            victims.end_walk()
+        return freed
+
+    def evict_unit(self, node: CoreNode, unit: UnitKind) -> int:
+        """Delete one SSD unit's objects; returns its nominal bytes."""
+        store, hashes = self.backend.store, tuple(node.sg.hash_value or ())
+        freed = 0
+        if unit is UnitKind.BUNDLE:
+            for key in self._kv_keys(hashes):
+                store.delete(key)
+            node.ssd_kv = False
+            freed += self._kv_bytes(node)
+        if node.ssd_state and (unit is UnitKind.CHECKPOINT or not node.sg.children):
+            store.delete(self._state_key(hashes))
+            node.ssd_state = False
+            freed += self.checkpoint_bytes
+        self.runtime.victims.touch(node)
+        self.runtime.victims.touch(node.parent)  # it may be an SSD tier-leaf now
+        return freed
+
+    def pick_ssd_victims(self, bytes_needed: int) -> list:
+        """The store's `on_capacity_needed` (docs/storage.md): orphans oldest first, never a ranked
+        unit (ranking reads the tree, which only the scheduler thread may). Runs in SGLang's backup
+        thread; reads a snapshot only."""
+        keys, covered = [], 0
+        size = self.kv_bytes_per_token * self.cache.page_size
+        for key in self._orphan_keys:
+            if covered >= bytes_needed:
+                break
+            keys.append(key)
+            covered += self.checkpoint_bytes if key.startswith("mamba/") else size
+        return keys
+
+    # --- restores ----------------------------------------------------------------------------------
+
+    def note_match(self, handle: Any, ckpt_node: Optional[CoreNode]) -> None:
+        """A request matched; remember the checkpoint to restore when it is next up for admission."""
+        if ckpt_node is not None and ckpt_node.ckpt_mask == SSD_BIT:
+            self.candidates[handle] = ckpt_node
+        else:
+            self.candidates.pop(handle, None)
+
+    def restore_ready(self, handle: Any) -> bool:
+        """False while the request waits for its checkpoint (scheduler thread, admission loop)."""
+        job = self.restores.get(handle)
+        if job is None:
+            node = self.candidates.pop(handle, None)
+            if node is None or not node.is_alive or node.ckpt_mask != SSD_BIT:
+                return True  # nothing (left) to restore: these inputs are the same on every rank
+            job = self._start(node)
+            if job is None:
+                return True
+            self.restores[handle] = job
+            return False
+        done = job.read.done()
+        done, ok = self._agree(done, done and job.read.exception() is None and bool(job.read.result()))
+        if not done:
+            return False
+        del self.restores[handle]
+        self._finish(job, ok)
+        return True
+
+    def _start(self, node: CoreNode) -> Optional[_Restore]:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        cache, sg = self.cache, node.sg
+        host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA) if cache.host_pool_group else None
+        if host_pool is None or not sg.hash_value:
+            return None
+        unlock = cache.inc_lock_ref(sg.id).to_dec_params()  # the node stays while its state is read
+        slot = host_pool.alloc(1)
+        if slot is None:
+            cache.evict_host(1, ComponentType.MAMBA)
+            slot = host_pool.alloc(1)
+        if slot is None:
+            cache.dec_lock_ref(sg.id, unlock)
+            return None
+        page_hash = sg.hash_value[-1]
+        read = self._reader.submit(self.backend.read_state, page_hash, host_pool, int(slot[0]))
+        return _Restore(node, slot, unlock, read)
+
+    def _agree(self, done: bool, ok: bool) -> tuple[bool, bool]:
+        import torch
+
+        flags = torch.tensor([int(done), int(ok)], dtype=torch.int64)
+        self.cache._all_reduce(flags, torch.distributed.ReduceOp.MIN)
+        return bool(flags[0]), bool(flags[1])
+
+    def _finish(self, job: _Restore, ok: bool) -> None:
+        cache, node = self.cache, job.node
+        sg = node.sg
+        if ok and node.is_alive and sg.component_data[MAMBA].host_value is None:
+            cache.tree_core.attach_host_state(sg, job.host_slot)
+            node.ckpt_access_s = self.runtime.now()
+            self.runtime.metrics.record_restore(ok=True)
+        else:
+            self._free_slot(job.host_slot)
+            if not ok and node.is_alive:  # a fault on some rank: a miss everywhere, and no SSD copy
+                node.ssd_state = False
+                self.runtime.victims.touch(node)
+                self.runtime.metrics.record_restore(ok=False)
+        if node.is_alive:
+            cache.dec_lock_ref(sg.id, job.unlock)
+
+    def _free_slot(self, slot: Any) -> None:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        self.cache.host_pool_group.get_pool(PoolName.MAMBA).free(slot)
+
+    def cancel(self, handle: Any) -> None:
+        """The request left (aborted): unlock its node; the slot is freed once the read ends."""
+        self.candidates.pop(handle, None)
+        job = self.restores.pop(handle, None)
+        if job is None:
+            return
+        if job.node.is_alive:
+            self.cache.dec_lock_ref(job.node.sg.id, job.unlock)
+        self._abandoned.append(job)
+        self.reap()
+
+    def reap(self) -> None:
+        """Free the host slots of abandoned restores whose read ended."""
+        running = []
+        for job in self._abandoned:
+            if job.read.done():
+                self._free_slot(job.host_slot)
+            else:
+                running.append(job)
+        self._abandoned = running
+
+    def close(self) -> None:
+        """Detach: finish or drop every restore and forget the SSD bits (every rank detaches)."""
+        for handle in list(self.restores):
+            self.cancel(handle)
+        self._reader.shutdown(wait=True)
+        self.reap()
+        self.backend.pick_victims = None
+        self.candidates.clear()
+        self.orphans.clear()
+        self._orphan_keys = ()
+        self.backups.clear()
+        for sg in self.cache.tree_core._node_arena.values():
+            node = getattr(sg, "_hs_core", None)
+            if node is not None and (node.ssd_kv or node.ssd_state):
+                node.ssd_kv = node.ssd_state = False
+                self.runtime.victims.touch(node)
