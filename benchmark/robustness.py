@@ -45,10 +45,10 @@ ROWS = {  # name -> (flags replacing the base's, needs the trace)
 METRICS = ("token_hit_rate", "ttft_p95_s", "ttft_p99_s", "cohort_recovered_fraction")
 
 
-def command(row: str, seed: int, policies: list, out: Path) -> list:
+def command(row: str, seed: int, policies: list, out: Path, extra: list) -> list:
     flags, needs_trace = ROWS[row]
     args = {**BASE, **flags, "--seed": str(seed), "--policies": ",".join(policies), "--out": str(out)}
-    cmd = [sys.executable, "-m", "histate.cli", "replay", "--no-plots", "--no-progress"]
+    cmd = [sys.executable, "-m", "histate.cli", "replay", "--no-plots", "--no-progress", *extra]
     if needs_trace:
         cmd += ["--trace", str(TRACE)]
     for flag, value in args.items():
@@ -57,11 +57,11 @@ def command(row: str, seed: int, policies: list, out: Path) -> list:
     return cmd
 
 
-def run_one(row: str, seed: int, policies: list, out_root: Path) -> dict:
+def run_one(row: str, seed: int, policies: list, out_root: Path, extra: list) -> dict:
     out = out_root / row / f"seed{seed}"
     summary = out / "summary.json"
     if not summary.exists():  # resumable: a finished (row, seed) is not replayed again
-        done = subprocess.run(command(row, seed, policies, out), capture_output=True, text=True)
+        done = subprocess.run(command(row, seed, policies, out, extra), capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{row} seed {seed} failed:\n{done.stderr[-2000:]}")
     return json.loads(summary.read_text())
@@ -154,9 +154,12 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("out/robustness"))
+    ap.add_argument("--replay-args", default="", help="extra `histate replay` flags for every run, e.g. '--tau 600'")
     args = ap.parse_args()
     policies = args.policies.split(",")
     rows = [r for r in args.rows if not ROWS[r][1] or TRACE.exists()]
+    if "histate" not in policies:
+        ap.error("--policies must include histate (the targets are about it)")
     if len(rows) < len(args.rows):
         print(f"SKIP rows {sorted(set(args.rows) - set(rows))}: {TRACE} not found")
     jobs = [(row, seed) for row in rows for seed in args.seeds]
@@ -166,7 +169,7 @@ def main() -> int:
         def tqdm(it, **_):
             return it
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {job: pool.submit(run_one, *job, policies, args.out) for job in jobs}
+        futures = {job: pool.submit(run_one, *job, policies, args.out, args.replay_args.split()) for job in jobs}
         summaries = {job: f.result() for job, f in tqdm(futures.items(), total=len(jobs), desc="replays")}
     results = {}
     for row in rows:

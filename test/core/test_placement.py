@@ -169,3 +169,22 @@ def test_reservation_is_refused_without_side_effects_when_pins_hold_the_pool():
     cache.check_invariants()
     cache.release(10 * KV_PAGE_BYTES)
     cache.check_invariants()
+
+
+def test_unlimited_caches_everything_yet_admits_only_what_running_work_leaves_room_for():
+    """The ceiling keeps every page without evicting, but running requests share the GPU's physical
+    memory as they do under every other policy: what they pin plus what they reserve must fit, so the
+    ceiling waits at admission whenever the running work alone does not (docs/policies.md)."""
+    cache = make_cache("unlimited", tiny_config(gpu_pages=20))
+    for s in range(10):  # 100 pages cached in a 20-page GPU
+        serve(cache, [(s, i) for i in range(10)], float(s))
+    assert cache.stats.evictions == {} and cache.tree.num_nodes == 10
+    assert cache.free_bytes(Tier.GPU) == 20 * KV_PAGE_BYTES and cache.evictable_bytes(Tier.GPU) == 0
+    lease = cache.begin_request([(0, i) for i in range(10)] + [("new", 0)], 11.0)  # pins 10 pages
+    assert cache.free_bytes(Tier.GPU) == 10 * KV_PAGE_BYTES
+    assert not cache.reserve(11 * KV_PAGE_BYTES, 11.0)
+    assert cache.reserve(10 * KV_PAGE_BYTES, 11.0) and cache.free_bytes(Tier.GPU) == 0
+    cache.check_invariants()
+    cache.release(10 * KV_PAGE_BYTES)
+    cache.abort_request(lease)
+    assert cache.free_bytes(Tier.GPU) == 20 * KV_PAGE_BYTES and cache.stats.evictions == {}

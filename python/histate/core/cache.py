@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from .config import CacheConfig
 from .eviction import Evictor
 from .items import ItemBook
-from .ledger import Ledger, PartitionedLedger
+from .ledger import Ledger, PartitionedLedger, UnboundedLedger
 from .observer import CacheObserver
 from .placement import Placement, TierPlan
 from .policies import Policy, make_policy
@@ -46,9 +46,13 @@ class HybridPrefixCache:
         self.policy = policy
         capacity = {t: (sys.maxsize // 4 if policy.unbounded else config.capacity_bytes[t])
                     for t in policy.tiers if t in config.capacity_bytes}
-        self.ledger = (PartitionedLedger(capacity, config.state_fraction or _default_split(capacity),
-                                         policy.shared_pool_tiers)
-                       if policy.partitioned else Ledger(capacity))
+        if policy.unbounded:  # the ceiling: its cache takes no room, running requests do (UnboundedLedger)
+            self.ledger = UnboundedLedger(capacity, {t: config.capacity_bytes[t] for t in capacity})
+        elif policy.partitioned:
+            self.ledger = PartitionedLedger(capacity, config.state_fraction or _default_split(capacity),
+                                            policy.shared_pool_tiers)
+        else:
+            self.ledger = Ledger(capacity)
         self._block_pages = config.block_pages if policy.block_granular else 1
         self.tree = RadixTree()
         self.stats = CacheStats()
@@ -98,13 +102,15 @@ class HybridPrefixCache:
         return self.state.controller
 
     def free_bytes(self, tier: Tier, kind: ItemKind = ItemKind.KV) -> int:
-        """Bytes of `tier` (its `kind` pool under a static split) neither cached nor reserved."""
-        return self.ledger.free_bytes(self.ledger.pool_of(tier, kind))
+        """Bytes of `tier` (its `kind` pool under a static split) a running request can be promised
+        without evicting: neither cached nor reserved (for `unlimited`: the physical capacity minus
+        what running requests pin and reserve; its cache takes no room)."""
+        return self.ledger.working_free_bytes(self.ledger.pool_of(tier, kind))
 
     def evictable_bytes(self, tier: Tier, kind: ItemKind = ItemKind.KV) -> int:
         """Cached bytes of that pool held by no pin: what eviction could free now (SGLang's
         `evictable_size`)."""
-        return self.ledger.evictable_bytes(self.ledger.pool_of(tier, kind))
+        return self.ledger.working_evictable_bytes(self.ledger.pool_of(tier, kind))
 
     def match(self, page_keys: Sequence) -> MatchResult:
         """Pure query: DESIGN.md hit accounting for `page_keys` (no locks, no refresh)."""
@@ -250,10 +256,10 @@ class HybridPrefixCache:
         Mutates: what `Evictor.make_room` mutates; the pool's reserved bytes.
         """
         self.last_now_s = now_s
-        pool = self.ledger.pool_of(tier, kind)
-        if size_bytes > self.ledger.free_bytes(pool) + self.ledger.evictable_bytes(pool):
+        pool, ledger = self.ledger.pool_of(tier, kind), self.ledger
+        if size_bytes > ledger.working_free_bytes(pool) + ledger.working_evictable_bytes(pool):
             return False
-        if not self.evictor.make_room(pool, size_bytes, now_s):
+        if ledger.working_free_bytes(pool) < size_bytes and not self.evictor.make_room(pool, size_bytes, now_s):
             return False
         self.ledger.reserve(pool, size_bytes)
         return True

@@ -42,10 +42,19 @@ class Ledger:
         return tier in self._tiers
 
     def free_bytes(self, pool: Hashable) -> int:
+        """Room for cached copies."""
         return self.capacity_bytes[pool] - self.used_bytes[pool] - self.reserved_bytes[pool]
 
     def evictable_bytes(self, pool: Hashable) -> int:
         return self.used_bytes[pool] - self.protected_bytes[pool]
+
+    def working_free_bytes(self, pool: Hashable) -> int:
+        """Room a running request can be promised without evicting (admission reads this)."""
+        return self.free_bytes(pool)
+
+    def working_evictable_bytes(self, pool: Hashable) -> int:
+        """What eviction could add to `working_free_bytes`."""
+        return self.evictable_bytes(pool)
 
     def fits_ever(self, pool: Hashable, size_bytes: int) -> bool:
         return size_bytes <= self.capacity_bytes[pool] - self.reserved_bytes[pool]
@@ -96,3 +105,24 @@ class PartitionedLedger(Ledger):
         if tier in self._shared:
             return [(tier, None)]
         return [(tier, ItemKind.KV), (tier, ItemKind.CHECKPOINT)]
+
+
+class UnboundedLedger(Ledger):
+    """The `unlimited` ceiling: cached copies take no room (nothing is ever evicted), but running
+    requests still live in the tier's physical capacity: what they pin (their matched context, the
+    protected bytes) plus what they reserve must fit in `working_bytes`, as for every other policy. So
+    the ceiling gets every hit and never waits for the cache, yet waits at admission whenever the
+    running work alone does not fit (a TTFT ceiling under the same engine, not only a hit-rate one)."""
+
+    def __init__(self, capacity_bytes: Mapping[Tier, int], working_bytes: Mapping[Tier, int]):
+        super().__init__(capacity_bytes)
+        self.working_bytes = {Tier(t): int(b) for t, b in working_bytes.items()}
+
+    def working_free_bytes(self, pool: Hashable) -> int:
+        working = self.working_bytes.get(pool)
+        if working is None:
+            return super().working_free_bytes(pool)
+        return working - self.protected_bytes[pool] - self.reserved_bytes[pool]
+
+    def working_evictable_bytes(self, pool: Hashable) -> int:
+        return 0  # unpinned cache occupies no working memory
