@@ -102,6 +102,14 @@ def test_enable_histate_resolves_sglang_settings(sglang_plugins, tmp_path):
     assert child.radix_cache_backend == "histate"
 
 
+def test_decode_states_are_tracked_on_the_state_grid_unless_the_user_chose_an_interval(sglang_plugins):
+    """A finished request donates its last decode state on --mamba-track-interval; HiState sets it to the
+    64-token state grid (SGLang's default 256 makes the next turn recompute up to 255 output tokens)."""
+    assert _prepare([]).mamba_track_interval == 256  # stock default, untouched without --enable-histate
+    assert _prepare(["--enable-histate"]).mamba_track_interval == 64
+    assert _prepare(["--enable-histate", "--mamba-track-interval", "512"]).mamba_track_interval == 512
+
+
 def test_static_device_pool_keeps_sglang_split_and_user_extra_config(sglang_plugins, tmp_path):
     sa = _prepare(["--enable-histate", "--histate-device-pool", "static",
                    "--histate-ssd-dir", str(tmp_path),

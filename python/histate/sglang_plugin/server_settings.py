@@ -12,8 +12,12 @@ import json
 import os
 from typing import Any, Callable, Optional
 
+from histate.core import STATE_GRID_TOKENS
+
 from .config import HiStateConfig, HiStateConfigError, parse_storage_section
 
+SGLANG_MAMBA_TRACK_INTERVAL = 256
+"""SGLang's default `--mamba-track-interval` (sglang/srt/arg_groups/fields/exec_.py:530-533)."""
 RADIX_BACKEND_NAME = "histate"
 STORAGE_BACKEND_NAME = "histate"
 STORAGE_MODULE_PATH = "histate.sglang_plugin.storage_backend"
@@ -141,6 +145,11 @@ def implied_settings(raw: Any, config: HiStateConfig) -> dict[str, Any]:
         "radix_cache_backend": RADIX_BACKEND_NAME,
         "enable_hierarchical_cache": True,
     }
+    if _flag(raw, "mamba_track_interval", SGLANG_MAMBA_TRACK_INTERVAL) == SGLANG_MAMBA_TRACK_INTERVAL:
+        # A finished request donates its last decode state on this grid; at SGLang's 256 the next turn,
+        # which carries the output, recomputes up to 255 output tokens. The state grid (64) keeps it
+        # under 64 for one state copy per 64 decode steps (docs/sglang.md, "Decode states").
+        wanted["mamba_track_interval"] = STATE_GRID_TOKENS
     if config.device_pool == "unified":
         wanted["enable_unified_memory"] = True
     if config.has_ssd:

@@ -31,9 +31,10 @@ class HiState(Policy):
     kv_ends_at_last_state = True
     learns_reuse_positions = True
     charges_demotions = True
+    decode_track_pages = 1  # --enable-histate sets SGLang's --mamba-track-interval to the 64-token state grid
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
-        return sorted(set(self.prompt_states(ctx)) | set(last_decode_state(ctx, ctx.config.decode_track_pages)))
+        return sorted(set(self.prompt_states(ctx)) | set(last_decode_state(ctx, self.decode_track_pages)))
 
     def prompt_states(self, ctx: AdmissionContext) -> list[int]:
         """Eq. 5 intervals over the new segment, the terminal, and the observed branch point."""
