@@ -43,7 +43,7 @@ class _LoggingSession(FileSession):
 
 
 def _piece_bytes(pieces):
-    return [sum(r.stop - r.start for r in p.ranges) for p in pieces]
+    return [sum(stop - start for _slot, start, stop in p.ranges) for p in pieces]
 
 
 @pytest.mark.parametrize("sizes, expected_mib", [
@@ -57,11 +57,11 @@ def test_read_pieces_halve_towards_the_end(sizes, expected_mib):
     ranges = [r for p in pieces for r in p.ranges]
     # every item exactly once, in order, cut only at chunk multiples
     for slot, size in enumerate(sizes):
-        mine = [r for r in ranges if r.slot == slot]
-        assert mine[0].start == 0 and mine[-1].stop == size
-        assert all(a.stop == b.start for a, b in zip(mine, mine[1:]))
-        assert all(r.start % MiB == 0 for r in mine)
-    assert [r.slot for r in ranges] == sorted(r.slot for r in ranges)
+        mine = [(start, stop) for s, start, stop in ranges if s == slot]
+        assert mine[0][0] == 0 and mine[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))
+        assert all(start % MiB == 0 for start, _ in mine)
+    assert [r[0] for r in ranges] == sorted(r[0] for r in ranges)
 
 
 def test_without_a_tail_pieces_keep_the_step():
@@ -88,9 +88,11 @@ def _cfg():
     return PipelineConfig(checksum_pool=_InlineExecutor(), checksum_algo=DEFAULT_CHECKSUM)
 
 
-def test_a_write_builds_its_header_before_the_payload_lands(tmp_path, monkeypatch):
-    """The header is built and encoded beside the payload's I/O, so after the payload only the header's
-    own write is left (before: the header was built after the payload write returned)."""
+def test_a_write_seals_and_writes_its_header_beside_the_payload(tmp_path, monkeypatch):
+    """Checksums, header and the header's own write are one pool job submitted before the payload's
+    write, so nothing is left to do once the payload lands (before: the header was built, then
+    written, after the payload write returned). The inline executor runs the job at once, so here the
+    header lands first; with a real pool the two writes overlap."""
     log = []
     real_build = transfer.build_header
     monkeypatch.setattr(transfer, "build_header", lambda *a: (log.append(("build_header",)), real_build(*a))[1])
@@ -101,8 +103,7 @@ def test_a_write_builds_its_header_before_the_payload_lands(tmp_path, monkeypatc
         header = write_items(sess, f, 7, specs, pages, _cfg())
     finally:
         sess.close(f)
-    payload = ("WRITE", header.header_bytes + 64 * (256 << 10))  # zeroed header block + every page, one call
-    assert log == [("build_header",), payload, ("WRITE", header.header_bytes)]
+    assert log == [("build_header",), ("WRITE", header.header_bytes), ("WRITE", 64 * (256 << 10))]
     sess.shutdown()
 
 

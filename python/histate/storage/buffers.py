@@ -14,6 +14,9 @@ import numpy as np
 from histate.storage.format import ALIGN_BYTES
 
 
+_UINT8 = np.dtype(np.uint8)
+
+
 def aligned_empty(num_bytes: int, align_bytes: int = ALIGN_BYTES) -> np.ndarray:
     """Uninitialised uint8 array whose data pointer is a multiple of `align_bytes`."""
     raw = np.empty(num_bytes + align_bytes, dtype=np.uint8)
@@ -54,7 +57,8 @@ def _torch_bytes(tensor, writable: bool) -> np.ndarray:
 def source_view(obj) -> tuple[np.ndarray, str, tuple[int, ...]]:
     """(flat uint8 view sharing memory, dtype name, shape) of a payload to write."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and not obj.dtype.hasobject:  # the common case
-        return obj.reshape(-1).view(np.uint8), obj.dtype.str, obj.shape
+        flat = obj if obj.dtype is _UINT8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
+        return flat, obj.dtype.str, obj.shape
     if _is_torch_tensor(obj):
         return _torch_bytes(obj, writable=False), str(obj.dtype), tuple(int(d) for d in obj.shape)
     if isinstance(obj, np.generic):
@@ -78,7 +82,7 @@ def source_view(obj) -> tuple[np.ndarray, str, tuple[int, ...]]:
 def destination_view(obj, num_bytes: int) -> np.ndarray:
     """Flat writable uint8 view of a caller-supplied read destination of exactly `num_bytes`."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.flags.writeable:  # the common case
-        flat = obj.reshape(-1).view(np.uint8)
+        flat = obj if obj.dtype is _UINT8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
     elif _is_torch_tensor(obj):
         flat = _torch_bytes(obj, writable=True)
     elif isinstance(obj, np.ndarray):

@@ -22,7 +22,7 @@ import os
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterator
+from typing import Callable, Collection, Iterator, NamedTuple
 
 from histate.storage.format import (ALIGN_BYTES, FileHeader, FormatError, Item, align_up, decode_header, encode_header,
                                     header_bytes_from_prefix)
@@ -42,18 +42,19 @@ class StoredFile:
     path: str
     header: FileHeader
     live: set[int] = field(default_factory=set)
+    is_pack: bool = field(init=False)  # read once per key of every get: a field, not a property
+
+    def __post_init__(self) -> None:
+        self.is_pack = self.loc.name.endswith(PACK_SUFFIX)
 
     @property
     def file_bytes(self) -> int:
         return self.header.file_bytes
 
-    @property
-    def is_pack(self) -> bool:
-        return self.loc.name.endswith(PACK_SUFFIX)
 
+class Entry(NamedTuple):
+    """One published key (immutable; a tuple because one is made per stored page, on the hot path)."""
 
-@dataclass(frozen=True)
-class Entry:
     key: str
     file: StoredFile
     index: int  # item index within the file
@@ -105,6 +106,9 @@ class Index:
 
     def get(self, key: str) -> Entry | None:
         return self._entries.get(key)
+
+    def get_many(self, keys: list[str]) -> list[Entry | None]:
+        return list(map(self._entries.get, keys))
 
     def publish(self, entry: Entry) -> Entry | None:
         """Insert or replace; returns the replaced entry (its file may now be dead). Newest last."""

@@ -34,7 +34,8 @@ from histate.storage.batch import IoBatch
 from histate.storage.buffers import aligned_empty, destination_view, source_view
 from histate.storage.config import StoreConfig
 from histate.storage.file_backend import FileSession
-from histate.storage.format import CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, ItemSpec, file_bytes_for, xxhash
+from histate.storage.format import (CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, ItemSpec, align_up, header_bytes_for,
+                                    xxhash)
 from histate.storage.index import Entry, Index, StoredFile, new_entry, rebuild, write_liveness
 from histate.storage.io_base import IoSession, probe_direct_io
 from histate.storage.layout import Layout, Location, validate_key
@@ -51,7 +52,7 @@ CapacityCallback = Callable[[int], Iterable[str]]
 EvictCallback = Callable[[EvictionEvent], None]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _PutItem:
     key: str
     src: np.ndarray  # flat uint8, borrowed from the caller until completion
@@ -67,6 +68,7 @@ class _WriteOp:
     items: list[_PutItem]
     batch: IoBatch
     pack: bool
+    header_bytes: int
     file_bytes: int
     seq: int = 0
     loc: Location | None = None
@@ -218,15 +220,14 @@ class CheckpointStore:
         return self.get_many([key], None if out is None else [out])[0]
 
     def _put_ops(self, items: Sequence[tuple[str, object]], pack: bool) -> tuple[IoBatch[PutResult], list]:
-        prepared = [self._prepare_item(slot, key, data) for slot, (key, data) in enumerate(items)]
+        prepared = []
+        for slot, (key, data) in enumerate(items):  # bad input raises here, before any I/O
+            key = validate_key(key)
+            src, dtype_name, shape = source_view(data)
+            prepared.append(_PutItem(key, src, ItemSpec(key, src.size, dtype_name, shape), slot))
         batch: IoBatch[PutResult] = IoBatch(len(prepared))
         groups = self._pack_groups(prepared) if pack else [[item] for item in prepared]
         return batch, [self._write_op(group, batch, pack=len(group) > 1) for group in groups]
-
-    def _prepare_item(self, slot: int, key: str, data: object) -> _PutItem:
-        key = validate_key(key)  # bad input raises before any I/O
-        src, dtype_name, shape = source_view(data)
-        return _PutItem(key, src, ItemSpec(key, src.size, dtype_name, shape), slot)
 
     def _pack_groups(self, items: list[_PutItem]) -> list[list[_PutItem]]:
         """Consecutive items up to pack_max_bytes per file; a key given twice starts a new file (so the
@@ -243,27 +244,35 @@ class CheckpointStore:
         return groups
 
     def _write_op(self, items: list[_PutItem], batch: IoBatch, pack: bool) -> _WriteOp:
-        return _WriteOp(items, batch, pack, file_bytes_for([i.spec for i in items], self.config.chunk_bytes))
+        header_bytes = header_bytes_for([i.spec for i in items], self.config.chunk_bytes)
+        return _WriteOp(items, batch, pack, header_bytes, header_bytes + sum(align_up(i.src.size) for i in items))
 
     def _get_ops(self, keys: Sequence[str], out: Sequence[object] | None) -> tuple[IoBatch[GetResult], list]:
-        """One read op per pack the keys live in, one per other key; destinations checked loudly here."""
+        """One read op per pack the keys live in, one per other key. Destinations are checked loudly here
+        and kept as flat byte views (the read checks only their size again: the key may have been
+        replaced meanwhile)."""
         keys = [validate_key(k) for k in keys]
         outs = list(out) if out is not None else [None] * len(keys)
         if len(outs) != len(keys):
             raise ValueError(f"{len(outs)} destinations for {len(keys)} keys")
-        batch: IoBatch[GetResult] = IoBatch(len(keys))
-        groups: dict[object, _ReadOp] = {}
         with self._lock:
             self._check_open()
-            for slot, (key, dest) in enumerate(zip(keys, outs)):
-                entry = self._index.get(key)
-                if dest is not None and entry is not None:
-                    destination_view(dest, entry.item.payload_bytes)  # bad buffers fail here, loudly
-                group = id(entry.file) if entry is not None and entry.file.is_pack else ("key", slot)
-                op = groups.setdefault(group, _ReadOp([], [], [], batch))
-                op.keys.append(key)
-                op.slots.append(slot)
-                op.outs.append(dest)
+            entries = self._index.get_many(keys)
+        batch: IoBatch[GetResult] = IoBatch(len(keys))
+        groups: dict[int, _ReadOp] = {}
+        for slot, (key, dest, entry) in enumerate(zip(keys, outs, entries)):
+            if entry is None:
+                group = ~slot  # negative: never an id()
+            else:
+                if dest is not None:
+                    dest = destination_view(dest, entry.file.header.items[entry.index].payload_bytes)
+                group = id(entry.file) if entry.file.is_pack else ~slot
+            op = groups.get(group)
+            if op is None:
+                op = groups[group] = _ReadOp([], [], [], batch)
+            op.keys.append(key)
+            op.slots.append(slot)
+            op.outs.append(dest)
         return batch, list(groups.values())
 
     def exists(self, key: str) -> bool:
@@ -577,7 +586,7 @@ class CheckpointStore:
             self.stats.gets += len(todo)
         for _attempt in range(_READ_ATTEMPTS):
             with self._lock:
-                entries = [self._index.get(op.keys[j]) for j in todo]
+                entries = self._index.get_many([op.keys[j] for j in todo])
             done: list[tuple[int, GetResult]] = []
             by_file: dict[int, list[tuple[int, Entry]]] = {}
             for j, entry in zip(todo, entries):
@@ -599,14 +608,16 @@ class CheckpointStore:
                     done: list[tuple[int, GetResult]]) -> list[int]:
         """Read items of one file into `done`; returns the positions to retry (their key was replaced)."""
         file = group[0][1].file
+        items = file.header.items
         wanted = []
         for j, entry in group:
-            size = entry.item.payload_bytes
-            if op.outs[j] is None:
+            size = items[entry.index].payload_bytes
+            dest = op.outs[j]
+            if dest is None:
                 wanted.append((j, entry, aligned_empty(size)))
                 continue
             try:
-                wanted.append((j, entry, destination_view(op.outs[j], size)))
+                wanted.append((j, entry, destination_view(dest, size)))
             except ValueError:  # replaced by an object of another size since submit
                 done.append((j, GetResult(entry.key, Fault.NOT_FOUND)))
         if not wanted:
@@ -622,7 +633,8 @@ class CheckpointStore:
         retry, broken = [], []
         for (j, entry, flat), fault in zip(wanted, faults):
             if fault is None:
-                done.append((j, GetResult(entry.key, None, flat, entry.item.dtype_name, entry.item.shape)))
+                item = items[entry.index]
+                done.append((j, GetResult(entry.key, None, flat, item.dtype_name, item.shape)))
                 continue
             with self._lock:
                 current = self._index.get(entry.key)
@@ -697,7 +709,7 @@ class CheckpointStore:
                 f = sess.create(dir_fd, tmp.name, op.file_bytes, self._direct_for(loc), label)
                 try:
                     header = write_items(sess, f, op.seq, [i.spec for i in op.items], [i.src for i in op.items],
-                                         self._pipe)
+                                         self._pipe, op.header_bytes)
                 finally:
                     sess.close(f)
             except BaseException as exc:
@@ -719,14 +731,14 @@ class CheckpointStore:
         """(lock held) Decide which items are still wanted, make the others dead in the file, rename it
         into place and index it. Returns per-slot faults of the items not published, and whether the file was."""
         faults: dict[int, Fault] = {}
+        indexed, latest_seq = self._index.get, self._latest_seq.get
         for item in op.items:
             if item.cancelled:
                 faults[item.slot] = Fault.CANCELLED
-            else:
-                current = self._index.get(item.key)
-                latest = max(self._latest_seq.get(item.key, 0), current.seq if current is not None else 0)
-                if latest > op.seq:
-                    faults[item.slot] = Fault.SUPERSEDED
+                continue
+            current = indexed(item.key)
+            if (current is not None and current.file.header.seq > op.seq) or latest_seq(item.key, 0) > op.seq:
+                faults[item.slot] = Fault.SUPERSEDED
         unsafe = len(faults) < len(op.items) and not is_replaceable(dir_fd, op.loc.name)
         if len(faults) == len(op.items) or unsafe:
             remove_file(dir_fd, tmp.name)
@@ -746,11 +758,12 @@ class CheckpointStore:
             return faults, False
         file = StoredFile(op.loc, self.layout.path(op.loc), header)
         now = self._clock()
+        publish, pending = self._index.publish, self._pending_puts.get
         for i, item in enumerate(op.items):
-            if item.slot in faults:
+            if faults and item.slot in faults:
                 continue
-            replaced = self._index.publish(new_entry(item.key, file, i, now))
-            if len(self._pending_puts.get(item.key, ())) > 1:  # an older put of it may still be running
+            replaced = publish(new_entry(item.key, file, i, now))
+            if len(pending(item.key, ())) > 1:  # an older put of it may still be running
                 self._latest_seq[item.key] = op.seq
             if replaced is not None and replaced.file.loc != op.loc:
                 self._bury(replaced)
@@ -782,21 +795,25 @@ class CheckpointStore:
         op.finished = True
         self._reserved_bytes -= op.reserved_bytes
         op.reserved_bytes = 0
+        payload_bytes = op.payload_bytes
         self._backlog_items -= len(op.items)
-        self._backlog_bytes -= op.payload_bytes
+        self._backlog_bytes -= payload_bytes
+        pending_puts, latest_seq = self._pending_puts, self._latest_seq
         for item in op.items:
-            pending = self._pending_puts.get(item.key)
+            pending = pending_puts.get(item.key)
             if pending is None:
                 continue
             if len(pending) == 1:
                 if pending[0] is op:
-                    del self._pending_puts[item.key]
-                    self._latest_seq.pop(item.key, None)
+                    del pending_puts[item.key]
+                    if latest_seq:
+                        latest_seq.pop(item.key, None)
             else:
                 pending[:] = [p for p in pending if p is not op]
         self.stats.puts += len(op.items)
         self.stats.puts_stored += len(op.items) - len(faults)
-        self.stats.bytes_written += sum(item.src.size for item in op.items if item.slot not in faults)
+        self.stats.bytes_written += (sum(item.src.size for item in op.items if item.slot not in faults) if faults
+                                     else payload_bytes)
         for fault in faults.values():
             self.stats.count(self.stats.put_failures, fault)
         self._room.notify_all()
@@ -806,13 +823,13 @@ class CheckpointStore:
         with its first item, so the shares add up to the file size)."""
         results = []
         for i, item in enumerate(op.items):
-            fault = faults.get(item.slot)
+            fault = faults.get(item.slot) if faults else None
             if fault is not None:
                 results.append((item.slot, PutResult(item.key, fault)))
             elif not op.pack:
                 results.append((item.slot, PutResult(item.key, None, header.file_bytes)))
             else:
-                share = header.items[i].padded_bytes + (header.header_bytes if i == 0 else 0)
+                share = align_up(item.src.size) + (header.header_bytes if i == 0 else 0)
                 results.append((item.slot, PutResult(item.key, None, share)))
         op.batch._complete_many(results)
 

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Executor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from histate.storage.buffers import address_of
 from histate.storage.format import (ALIGN_BYTES, DEFAULT_CHECKSUM, DEFAULT_CHUNK_BYTES, FileHeader, FormatError,
                                     ItemSpec, align_up, build_header, chunk_checksum, chunk_seed, encode_header,
-                                    header_bytes_for, header_matches, item_offsets, item_seed)
+                                    header_bytes_for, header_matches, item_seed)
 from histate.storage.io_base import IoSession, OpenFile, Segment
 from histate.storage.results import Fault, IoFault
 
@@ -45,10 +46,7 @@ class PipelineConfig:
     checksum_algo: int = DEFAULT_CHECKSUM  # for new files (reads use the file's own)
 
 
-class _Range(NamedTuple):
-    slot: int  # which of the items being moved
-    start: int  # payload offset within the item
-    stop: int
+_Range = tuple[int, int, int]  # (slot: which of the items being moved, start, stop: payload offsets in it)
 
 
 @dataclass
@@ -78,7 +76,7 @@ def _plan_pieces(sizes: Sequence[int], step: int, chunk_bytes: int, tail_bytes: 
         start = 0
         while start < size:
             stop = min(size, start + max(chunk_bytes, -(-(want - current_bytes) // chunk_bytes) * chunk_bytes))
-            current.append(_Range(slot, start, stop))
+            current.append((slot, start, stop))
             current_bytes += -(-(stop - start) // ALIGN_BYTES) * ALIGN_BYTES
             start = stop
             if current_bytes >= want:
@@ -93,6 +91,23 @@ def _plan_pieces(sizes: Sequence[int], step: int, chunk_bytes: int, tail_bytes: 
 def _addresses(f: OpenFile, hosts: Sequence[np.ndarray]) -> list[int] | None:
     """Base address of each host buffer, when O_DIRECT needs them (alignment is checked per range)."""
     return [address_of(h) for h in hosts] if f.direct else None
+
+
+def _in_place_segments(hosts: Sequence[np.ndarray], header_bytes: int, direct: bool
+                       ) -> tuple[list[int], list[Segment] | None]:
+    """(file offset of each item, segments moving every item in place, or None when O_DIRECT needs a
+    bounce buffer for one of them): the common case of block-aligned pages in one pass."""
+    offsets, segments, pos = [], [], header_bytes
+    for h in hosts:
+        offsets.append(pos)
+        size = h.size
+        if size:
+            if direct and (size % ALIGN_BYTES or address_of(h) % ALIGN_BYTES):
+                segments = None
+            elif segments is not None:
+                segments.append((pos, h))
+        pos += -(-size // ALIGN_BYTES) * ALIGN_BYTES
+    return offsets, segments
 
 
 def _bounce_bytes(ranges: Sequence[_Range], addrs: list[int] | None) -> int:
@@ -114,14 +129,16 @@ def _map_piece(sess: IoSession, piece: _Piece, hosts: Sequence[np.ndarray], addr
     """Segments for every range of `piece`, bouncing through staging slot `bounce_slot` what O_DIRECT
     rejects."""
     if addrs is None:
-        piece.segments += [(offsets[r.slot] + r.start, hosts[r.slot][r.start: r.stop]) for r in piece.ranges]
+        piece.segments += [(offsets[slot] + start, hosts[slot][start: stop]) for slot, start, stop in piece.ranges]
         return
     need = _bounce_bytes(piece.ranges, addrs)
     stage = sess.staging(f"bounce{bounce_slot}", need) if need else None
     pos = 0
     for slot, start, stop in piece.ranges:
         offset = offsets[slot] + start
-        view = hosts[slot][start: stop]
+        view = hosts[slot]
+        if start or stop != view.size:
+            view = view[start: stop]
         if (addrs[slot] + start) % ALIGN_BYTES == 0:
             if not view.size % ALIGN_BYTES:  # the common case: in place, whole
                 piece.segments.append((offset, view))
@@ -155,7 +172,7 @@ def _checksum_ranges(ranges: Sequence[_Range], hosts: Sequence[np.ndarray], chun
 
 
 def _whole_items(hosts: Sequence[np.ndarray]) -> list[_Range]:
-    return [_Range(slot, 0, h.size) for slot, h in enumerate(hosts) if h.size]
+    return [(slot, 0, h.size) for slot, h in enumerate(hosts) if h.size]
 
 
 def _seal(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec], sums: list[list[int]]
@@ -171,6 +188,18 @@ def _checksum_and_seal(seq: int, chunk_bytes: int, algo: int, specs: Sequence[It
     sums: list[list[int]] = [[] for _ in specs]
     _checksum_ranges(_whole_items(hosts), hosts, chunk_bytes, algo, [item_seed(s.key, seq) for s in specs], sums)
     return _seal(seq, chunk_bytes, algo, specs, sums)
+
+
+def _seal_and_write_header(sess: IoSession, f: OpenFile, hdr: np.ndarray, seq: int, chunk_bytes: int, algo: int,
+                           specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray]) -> FileHeader:
+    """The pool's job beside a synchronous session's payload write: checksums, the header, and the
+    header's own write (a synchronous session's `run` is a plain syscall, safe from any thread). The
+    header lands beside the payload instead of after it; the file is published (renamed) only once
+    both are done, so their order on disk does not matter."""
+    header, encoded = _checksum_and_seal(seq, chunk_bytes, algo, specs, hosts)
+    hdr[:] = np.frombuffer(encoded, dtype=np.uint8)
+    sess.run(f, "WRITE", [(0, hdr)])
+    return header
 
 
 def _checksum_pool(cfg: PipelineConfig, sess: IoSession) -> Executor | None:
@@ -202,35 +231,28 @@ def _staged(sess: IoSession, encoded: bytes) -> np.ndarray:
     return hdr
 
 
-def _zero_header(sess: IoSession, header_bytes: int) -> np.ndarray:
-    """Placeholder for the header block, written with the first piece: on ext4/XFS an O_DIRECT write
-    into an unallocated or unwritten block needs a journalled extent change (~0.2-1 ms on the reference
-    VM), an overwrite of a written block does not; and zeros fail the magic check if we crash. The
-    staging buffer is zero-filled when allocated and never written."""
-    return sess.staging("zero_header", header_bytes)
-
-
 def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray],
                 cfg: PipelineConfig, header_bytes: int | None = None) -> FileHeader:
     """Fill the new file `f` (sized for `specs`) with every item's payload and the header; returns it.
     `header_bytes`, when the caller already sized the file, saves computing it again."""
     chunk_bytes, algo = cfg.chunk_bytes, cfg.checksum_algo
     header_bytes = header_bytes or header_bytes_for(specs, chunk_bytes)
-    offsets = item_offsets(specs, header_bytes)
     step = _step(cfg, chunk_bytes)
-    addrs = _addresses(f, hosts)
-    whole = _Piece(_whole_items(hosts))
+    offsets, in_place = _in_place_segments(hosts, header_bytes, f.direct)
+    whole = _Piece(_whole_items(hosts), in_place or [])
+    addrs = None if in_place is not None else _addresses(f, hosts)
     if sum(h.size for h in hosts) <= min(step, SINGLE_CALL_MAX_BYTES):
         # small file: checksums first, then one vectored call for header + payloads (cheaper than a
         # second I/O for the header)
         header, encoded = _checksum_and_seal(seq, chunk_bytes, algo, specs, hosts)
-        _map_piece(sess, whole, hosts, addrs, offsets, 0, True)
+        if in_place is None:
+            _map_piece(sess, whole, hosts, addrs, offsets, 0, True)
         sess.run(f, "WRITE", [(0, _staged(sess, encoded))] + whole.segments)
         return header
     # The I/O: the whole payload in one vectored call when staging stays small (aligned sources, or
     # buffered I/O): one syscall, or one transfer to post; otherwise piece by piece, at most
     # `max_inflight` in flight (they share the staging slots). Checksums and the header meanwhile.
-    if _bounce_bytes(whole.ranges, addrs) <= step:
+    if in_place is not None or _bounce_bytes(whole.ranges, addrs) <= step:
         io_pieces = [whole]
     else:
         io_pieces = _plan_pieces([h.size for h in hosts], step, chunk_bytes)
@@ -239,9 +261,8 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
 
     def prepare(k: int) -> _Piece:
         piece = io_pieces[k]
-        _map_piece(sess, piece, hosts, addrs, offsets, k % cfg.max_inflight, True)
-        if k == 0:  # zeros now (an invalid header) so the real one later rewrites allocated blocks
-            piece.segments.insert(0, (0, _zero_header(sess, header_bytes)))
+        if not piece.segments:
+            _map_piece(sess, piece, hosts, addrs, offsets, k % cfg.max_inflight, True)
         return piece
 
     def post(piece: _Piece | None = None) -> None:
@@ -252,15 +273,16 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
         posted += 1
 
     pool = _checksum_pool(cfg, sess)
-    job = None
+    hdr = sess.staging("header", header_bytes)  # taken here: the session's buffers are this thread's to hand out
+    job = header_write = None
     try:
         first = prepare(0)  # before the pool starts: its Python would compete for the GIL
-        if pool is not None:  # checksums and header on the pool, beside the I/O that runs in this thread
-            job = pool.submit(_checksum_and_seal, seq, chunk_bytes, algo, specs, hosts)
+        if pool is not None:  # checksums, header and its write on the pool, beside the payload's I/O here
+            job = pool.submit(_seal_and_write_header, sess, f, hdr, seq, chunk_bytes, algo, specs, hosts)
         post(first)
         while posted < len(io_pieces) and len(inflight) < cfg.max_inflight:
             post()
-        sums: list[list[int]] = [[] for _ in specs]
+        sums: list[list[int]] = [[] for _ in specs] if job is None else []
         seeds = [item_seed(s.key, seq) for s in specs] if job is None else []
         between = _poller(sess, inflight)
         for piece in io_pieces:
@@ -269,15 +291,23 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
             if posted < len(io_pieces):
                 sess.wait(inflight.popleft().token)
                 post()
-        header, encoded = _seal(seq, chunk_bytes, algo, specs, sums) if job is None else job.result()
-        hdr = _staged(sess, encoded)
+        if job is None:  # the header's write goes in beside the payload still in flight
+            header, encoded = _seal(seq, chunk_bytes, algo, specs, sums)
+            hdr[:] = np.frombuffer(encoded, dtype=np.uint8)
+            header_write = sess.submit(f, "WRITE", [(0, hdr)])
         while inflight:
             sess.wait(inflight.popleft().token)
+        if job is not None:
+            header = job.result()
+        else:
+            token, header_write = header_write, None
+            sess.wait(token)
     finally:
+        if header_write is not None:
+            inflight.append(_Piece([], token=header_write))
         _drain(sess, inflight)
         if job is not None:
-            job.cancel()  # a failed write does not wait for its checksums (a no-op once it ran)
-    sess.run(f, "WRITE", [(0, hdr)])
+            futures_wait([job])  # it may be writing through f: it must be done before f is closed
     return header
 
 
