@@ -88,11 +88,10 @@ def _cfg():
     return PipelineConfig(checksum_pool=_InlineExecutor(), checksum_algo=DEFAULT_CHECKSUM)
 
 
-def test_a_write_seals_and_writes_its_header_beside_the_payload(tmp_path, monkeypatch):
-    """Checksums, header and the header's own write are one pool job submitted before the payload's
-    write, so nothing is left to do once the payload lands (before: the header was built, then
-    written, after the payload write returned). The inline executor runs the job at once, so here the
-    header lands first; with a real pool the two writes overlap."""
+def test_a_write_seals_its_header_beside_the_payload(tmp_path, monkeypatch):
+    """Checksums and the header are built by one pool job submitted before the payload's write, so
+    once the payload lands only the header's own write is left (before: the header was built after
+    the payload write returned). The inline executor runs that job at once."""
     log = []
     real_build = transfer.build_header
     monkeypatch.setattr(transfer, "build_header", lambda *a: (log.append(("build_header",)), real_build(*a))[1])
@@ -103,7 +102,8 @@ def test_a_write_seals_and_writes_its_header_beside_the_payload(tmp_path, monkey
         header = write_items(sess, f, 7, specs, pages, _cfg())
     finally:
         sess.close(f)
-    assert log == [("build_header",), ("WRITE", header.header_bytes), ("WRITE", 64 * (256 << 10))]
+    payload = ("WRITE", header.header_bytes + 64 * (256 << 10))  # zeroed header block + every page, one call
+    assert log == [("build_header",), payload, ("WRITE", header.header_bytes)]
     sess.shutdown()
 
 

@@ -43,6 +43,7 @@ class StoredFile:
     header: FileHeader
     live: set[int] = field(default_factory=set)
     is_pack: bool = field(init=False)  # read once per key of every get: a field, not a property
+    published_s: float = 0.0  # clock time its items were published (all at once), or indexed at restart
 
     def __post_init__(self) -> None:
         self.is_pack = self.loc.name.endswith(PACK_SUFFIX)
@@ -58,8 +59,11 @@ class Entry(NamedTuple):
     key: str
     file: StoredFile
     index: int  # item index within the file
-    published_s: float
     generation: int  # identity of this publication: guards removals against a newer copy
+
+    @property
+    def published_s(self) -> float:
+        return self.file.published_s
 
     @property
     def header(self) -> FileHeader:
@@ -87,8 +91,8 @@ class Entry(NamedTuple):
         return self.item.padded_bytes if self.file.is_pack else self.file.file_bytes
 
 
-def new_entry(key: str, file: StoredFile, index: int, published_s: float) -> Entry:
-    return Entry(key, file, index, published_s, next(_generations))
+def new_entry(key: str, file: StoredFile, index: int) -> Entry:
+    return Entry(key, file, index, next(_generations))
 
 
 class Index:
@@ -271,9 +275,10 @@ def rebuild(layout: Layout, roots: list[OwnedRoot], now_s: float,
         winners = _resolve_duplicates(found, report)
         index = Index()
         for f in sorted(found, key=lambda f: (f.mtime_s, f.file.header.seq)):
+            f.file.published_s = now_s
             for i, item in enumerate(f.file.header.items):
                 if f.live[i] and winners.get(item.key) is f:
-                    index.publish(new_entry(item.key, f.file, i, now_s))
+                    index.publish(new_entry(item.key, f.file, i))
                     report.kept += 1
             if not f.file.live:  # nothing of it survived: the file goes
                 _discard(f.dir_fd, f.file.loc.name, report, "duplicate" if f.had_live else "dead")

@@ -74,10 +74,21 @@ class _WriteOp:
     loc: Location | None = None
     reserved_bytes: int = 0
     finished: bool = False  # backlog, reservation and pending entries released
+    publication: _Publication | None = None  # prepared beside the I/O, once the header is known
 
     @property
     def payload_bytes(self) -> int:
         return sum(i.src.size for i in self.items)
+
+
+@dataclass(eq=False, slots=True)
+class _Publication:
+    """What publishing a written file takes, built while its payload is still being written: its
+    index record, one entry per item, and the results if every item gets published."""
+
+    file: StoredFile
+    entries: list[Entry]
+    results: list[tuple[int, PutResult]]
 
 
 @dataclass(eq=False)
@@ -400,7 +411,7 @@ class CheckpointStore:
         if self._on_evict is None:
             return True
         try:
-            self._on_evict(EvictionEvent(entry.key, entry.file_bytes, self._clock() - entry.published_s, reason))
+            self._on_evict(EvictionEvent(entry.key, entry.file_bytes, self._clock() - entry.file.published_s, reason))
         except Exception:
             self._owner_failed("on_evict")
             return False
@@ -709,7 +720,7 @@ class CheckpointStore:
                 f = sess.create(dir_fd, tmp.name, op.file_bytes, self._direct_for(loc), label)
                 try:
                     header = write_items(sess, f, op.seq, [i.spec for i in op.items], [i.src for i in op.items],
-                                         self._pipe, op.header_bytes)
+                                         self._pipe, op.header_bytes, lambda h: self._prepare_publication(op, h))
                 finally:
                     sess.close(f)
             except BaseException as exc:
@@ -756,18 +767,26 @@ class CheckpointStore:
             fault = fault_from_oserror(exc, f"publish {self.layout.path(op.loc)}").fault
             faults.update({item.slot: fault for item in op.items if item.slot not in faults})
             return faults, False
-        file = StoredFile(op.loc, self.layout.path(op.loc), header)
-        now = self._clock()
+        if op.publication is None:
+            self._prepare_publication(op, header)
+        op.publication.file.published_s = self._clock()
         publish, pending = self._index.publish, self._pending_puts.get
-        for i, item in enumerate(op.items):
+        for entry, item in zip(op.publication.entries, op.items):
             if faults and item.slot in faults:
                 continue
-            replaced = publish(new_entry(item.key, file, i, now))
+            replaced = publish(entry)
             if len(pending(item.key, ())) > 1:  # an older put of it may still be running
                 self._latest_seq[item.key] = op.seq
             if replaced is not None and replaced.file.loc != op.loc:
                 self._bury(replaced)
         return faults, True
+
+    def _prepare_publication(self, op: _WriteOp, header) -> None:
+        """Index record, entries and results of `op` (no lock needed: nothing shared is touched). Runs
+        beside the payload's I/O when the write is pipelined (write_items' on_sealed)."""
+        file = StoredFile(op.loc, self.layout.path(op.loc), header)
+        op.publication = _Publication(file, [new_entry(item.key, file, i) for i, item in enumerate(op.items)],
+                                      self._put_results(op, {}, header))
 
     def _bury(self, old: Entry) -> None:
         """(lock held) The replaced copy of a key: delete its file, or mark it dead in its pack, so it
@@ -819,6 +838,12 @@ class CheckpointStore:
         self._room.notify_all()
 
     def _complete_puts(self, op: _WriteOp, faults: dict[int, Fault], header) -> None:
+        if not faults and op.publication is not None:
+            op.batch._complete_many(op.publication.results)
+        else:
+            op.batch._complete_many(self._put_results(op, faults, header))
+
+    def _put_results(self, op: _WriteOp, faults: dict[int, Fault], header) -> list[tuple[int, PutResult]]:
         """Results of every item: a stored item reports its share of the file (a pack's header counts
         with its first item, so the shares add up to the file size)."""
         results = []
@@ -831,7 +856,7 @@ class CheckpointStore:
             else:
                 share = align_up(item.src.size) + (header.header_bytes if i == 0 else 0)
                 results.append((item.slot, PutResult(item.key, None, share)))
-        op.batch._complete_many(results)
+        return results
 
     def _release_roots(self) -> None:
         for root in self._roots:

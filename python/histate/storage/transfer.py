@@ -23,7 +23,7 @@ from collections import deque
 from concurrent.futures import Executor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -175,30 +175,17 @@ def _whole_items(hosts: Sequence[np.ndarray]) -> list[_Range]:
     return [(slot, 0, h.size) for slot, h in enumerate(hosts) if h.size]
 
 
-def _seal(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec], sums: list[list[int]]
-          ) -> tuple[FileHeader, bytes]:
+def _seal_into(hdr: np.ndarray, seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec],
+               hosts: Sequence[np.ndarray], sums: list[list[int]] | None, on_sealed) -> FileHeader:
+    """Checksums (unless `sums` already holds them), the header encoded into `hdr`, then the caller's
+    `on_sealed`: everything a write needs before its header's own write, in one job."""
+    if sums is None:
+        sums = [[] for _ in specs]
+        _checksum_ranges(_whole_items(hosts), hosts, chunk_bytes, algo, [item_seed(s.key, seq) for s in specs], sums)
     header = build_header(seq, chunk_bytes, algo, specs, sums)
-    return header, encode_header(header)
-
-
-def _checksum_and_seal(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray]
-                       ) -> tuple[FileHeader, bytes]:
-    """Every chunk's checksum, then the header built and encoded: one job, so on the checksum pool
-    all of it runs while the payload is being written and only the header's own write follows."""
-    sums: list[list[int]] = [[] for _ in specs]
-    _checksum_ranges(_whole_items(hosts), hosts, chunk_bytes, algo, [item_seed(s.key, seq) for s in specs], sums)
-    return _seal(seq, chunk_bytes, algo, specs, sums)
-
-
-def _seal_and_write_header(sess: IoSession, f: OpenFile, hdr: np.ndarray, seq: int, chunk_bytes: int, algo: int,
-                           specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray]) -> FileHeader:
-    """The pool's job beside a synchronous session's payload write: checksums, the header, and the
-    header's own write (a synchronous session's `run` is a plain syscall, safe from any thread). The
-    header lands beside the payload instead of after it; the file is published (renamed) only once
-    both are done, so their order on disk does not matter."""
-    header, encoded = _checksum_and_seal(seq, chunk_bytes, algo, specs, hosts)
-    hdr[:] = np.frombuffer(encoded, dtype=np.uint8)
-    sess.run(f, "WRITE", [(0, hdr)])
+    hdr[:] = np.frombuffer(encode_header(header), dtype=np.uint8)
+    if on_sealed is not None:
+        on_sealed(header)
     return header
 
 
@@ -225,29 +212,38 @@ def _drain(sess: IoSession, inflight: deque) -> None:
             pass
 
 
-def _staged(sess: IoSession, encoded: bytes) -> np.ndarray:
-    hdr = sess.staging("header", len(encoded))
-    hdr[:] = np.frombuffer(encoded, dtype=np.uint8)
-    return hdr
+def _zero_header(sess: IoSession, header_bytes: int) -> np.ndarray:
+    """Placeholder for the header block, written with the payload: on ext4/XFS an O_DIRECT write into
+    an unwritten (preallocated) block needs a journalled extent change at completion, which beside
+    the payload's own conversion now and then waits for a journal commit (+3 ms in about one write
+    of five on the reference VM); an overwrite of a written block does not. So the real header is
+    written after the payload, over these zeros. The staging buffer is zero-filled when allocated
+    and never written."""
+    return sess.staging("zero_header", header_bytes)
 
 
 def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray],
-                cfg: PipelineConfig, header_bytes: int | None = None) -> FileHeader:
+                cfg: PipelineConfig, header_bytes: int | None = None,
+                on_sealed: Callable[[FileHeader], None] | None = None) -> FileHeader:
     """Fill the new file `f` (sized for `specs`) with every item's payload and the header; returns it.
-    `header_bytes`, when the caller already sized the file, saves computing it again."""
+    `header_bytes`, when the caller already sized the file, saves computing it again. `on_sealed(header)`
+    runs once the header is known, beside the payload's I/O when the file is large enough to pipeline
+    (on the checksum pool, or in this thread between polls): the caller's own per-item work for after
+    the write (index records, results) costs no time on the critical path there."""
     chunk_bytes, algo = cfg.chunk_bytes, cfg.checksum_algo
     header_bytes = header_bytes or header_bytes_for(specs, chunk_bytes)
     step = _step(cfg, chunk_bytes)
     offsets, in_place = _in_place_segments(hosts, header_bytes, f.direct)
     whole = _Piece(_whole_items(hosts), in_place or [])
     addrs = None if in_place is not None else _addresses(f, hosts)
+    hdr = sess.staging("header", header_bytes)
     if sum(h.size for h in hosts) <= min(step, SINGLE_CALL_MAX_BYTES):
         # small file: checksums first, then one vectored call for header + payloads (cheaper than a
         # second I/O for the header)
-        header, encoded = _checksum_and_seal(seq, chunk_bytes, algo, specs, hosts)
+        header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed)
         if in_place is None:
             _map_piece(sess, whole, hosts, addrs, offsets, 0, True)
-        sess.run(f, "WRITE", [(0, _staged(sess, encoded))] + whole.segments)
+        sess.run(f, "WRITE", [(0, hdr)] + whole.segments)
         return header
     # The I/O: the whole payload in one vectored call when staging stays small (aligned sources, or
     # buffered I/O): one syscall, or one transfer to post; otherwise piece by piece, at most
@@ -263,6 +259,8 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
         piece = io_pieces[k]
         if not piece.segments:
             _map_piece(sess, piece, hosts, addrs, offsets, k % cfg.max_inflight, True)
+        if k == 0:  # zeros now (an invalid header), so the real one later rewrites a written block
+            piece.segments.insert(0, (0, _zero_header(sess, header_bytes)))
         return piece
 
     def post(piece: _Piece | None = None) -> None:
@@ -273,12 +271,11 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
         posted += 1
 
     pool = _checksum_pool(cfg, sess)
-    hdr = sess.staging("header", header_bytes)  # taken here: the session's buffers are this thread's to hand out
-    job = header_write = None
+    job = None
     try:
         first = prepare(0)  # before the pool starts: its Python would compete for the GIL
-        if pool is not None:  # checksums, header and its write on the pool, beside the payload's I/O here
-            job = pool.submit(_seal_and_write_header, sess, f, hdr, seq, chunk_bytes, algo, specs, hosts)
+        if pool is not None:  # checksums and header on the pool, beside the payload's I/O in this thread
+            job = pool.submit(_seal_into, hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed)
         post(first)
         while posted < len(io_pieces) and len(inflight) < cfg.max_inflight:
             post()
@@ -291,23 +288,17 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
             if posted < len(io_pieces):
                 sess.wait(inflight.popleft().token)
                 post()
-        if job is None:  # the header's write goes in beside the payload still in flight
-            header, encoded = _seal(seq, chunk_bytes, algo, specs, sums)
-            hdr[:] = np.frombuffer(encoded, dtype=np.uint8)
-            header_write = sess.submit(f, "WRITE", [(0, hdr)])
+        if job is None:
+            header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, sums, on_sealed)
         while inflight:
             sess.wait(inflight.popleft().token)
         if job is not None:
             header = job.result()
-        else:
-            token, header_write = header_write, None
-            sess.wait(token)
     finally:
-        if header_write is not None:
-            inflight.append(_Piece([], token=header_write))
         _drain(sess, inflight)
         if job is not None:
-            futures_wait([job])  # it may be writing through f: it must be done before f is closed
+            futures_wait([job])  # it writes into `hdr` and runs on_sealed: done before anything else
+    sess.run(f, "WRITE", [(0, hdr)])
     return header
 
 
