@@ -30,7 +30,7 @@ import numpy as np
 from histate.storage.buffers import address_of
 from histate.storage.format import (ALIGN_BYTES, DEFAULT_CHECKSUM, DEFAULT_CHUNK_BYTES, FileHeader, FormatError,
                                     ItemSpec, align_up, build_header, chunk_checksum, chunk_seed, encode_header,
-                                    header_bytes_for, header_matches, item_seed)
+                                    header_bytes_for, header_matches, item_offsets, item_seed)
 from histate.storage.io_base import IoSession, OpenFile, Segment
 from histate.storage.results import Fault, IoFault
 
@@ -93,21 +93,11 @@ def _addresses(f: OpenFile, hosts: Sequence[np.ndarray]) -> list[int] | None:
     return [address_of(h) for h in hosts] if f.direct else None
 
 
-def _in_place_segments(hosts: Sequence[np.ndarray], header_bytes: int, direct: bool
-                       ) -> tuple[list[int], list[Segment] | None]:
-    """(file offset of each item, segments moving every item in place, or None when O_DIRECT needs a
-    bounce buffer for one of them): the common case of block-aligned pages in one pass."""
-    offsets, segments, pos = [], [], header_bytes
-    for h in hosts:
-        offsets.append(pos)
-        size = h.size
-        if size:
-            if direct and (size % ALIGN_BYTES or address_of(h) % ALIGN_BYTES):
-                segments = None
-            elif segments is not None:
-                segments.append((pos, h))
-        pos += -(-size // ALIGN_BYTES) * ALIGN_BYTES
-    return offsets, segments
+def _in_place(f: OpenFile, hosts: Sequence[np.ndarray]) -> bool:
+    """Whether every host buffer moves in place: always without O_DIRECT; with it, when each starts
+    and ends on a block boundary (then so does every range cut from it: cuts fall on chunk multiples).
+    One pass instead of planning bounce buffers range by range."""
+    return not f.direct or all(not h.size % ALIGN_BYTES and not address_of(h) % ALIGN_BYTES for h in hosts if h.size)
 
 
 def _bounce_bytes(ranges: Sequence[_Range], addrs: list[int] | None) -> int:
@@ -127,7 +117,7 @@ def _bounce_bytes(ranges: Sequence[_Range], addrs: list[int] | None) -> int:
 def _map_piece(sess: IoSession, piece: _Piece, hosts: Sequence[np.ndarray], addrs: list[int] | None,
                offsets: Sequence[int], bounce_slot: int, writing: bool) -> None:
     """Segments for every range of `piece`, bouncing through staging slot `bounce_slot` what O_DIRECT
-    rejects."""
+    rejects (`addrs` None: everything moves in place)."""
     if addrs is None:
         piece.segments += [(offsets[slot] + start, hosts[slot][start: stop]) for slot, start, stop in piece.ranges]
         return
@@ -233,22 +223,21 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
     chunk_bytes, algo = cfg.chunk_bytes, cfg.checksum_algo
     header_bytes = header_bytes or header_bytes_for(specs, chunk_bytes)
     step = _step(cfg, chunk_bytes)
-    offsets, in_place = _in_place_segments(hosts, header_bytes, f.direct)
-    whole = _Piece(_whole_items(hosts), in_place or [])
-    addrs = None if in_place is not None else _addresses(f, hosts)
+    offsets = item_offsets(specs, header_bytes)
+    addrs = None if _in_place(f, hosts) else _addresses(f, hosts)
+    whole = _Piece(_whole_items(hosts))
     hdr = sess.staging("header", header_bytes)
     if sum(h.size for h in hosts) <= min(step, SINGLE_CALL_MAX_BYTES):
         # small file: checksums first, then one vectored call for header + payloads (cheaper than a
         # second I/O for the header)
         header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed)
-        if in_place is None:
-            _map_piece(sess, whole, hosts, addrs, offsets, 0, True)
+        _map_piece(sess, whole, hosts, addrs, offsets, 0, True)
         sess.run(f, "WRITE", [(0, hdr)] + whole.segments)
         return header
     # The I/O: the whole payload in one vectored call when staging stays small (aligned sources, or
     # buffered I/O): one syscall, or one transfer to post; otherwise piece by piece, at most
     # `max_inflight` in flight (they share the staging slots). Checksums and the header meanwhile.
-    if in_place is not None or _bounce_bytes(whole.ranges, addrs) <= step:
+    if _bounce_bytes(whole.ranges, addrs) <= step:
         io_pieces = [whole]
     else:
         io_pieces = _plan_pieces([h.size for h in hosts], step, chunk_bytes)
@@ -257,8 +246,7 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
 
     def prepare(k: int) -> _Piece:
         piece = io_pieces[k]
-        if not piece.segments:
-            _map_piece(sess, piece, hosts, addrs, offsets, k % cfg.max_inflight, True)
+        _map_piece(sess, piece, hosts, addrs, offsets, k % cfg.max_inflight, True)
         if k == 0:  # zeros now (an invalid header), so the real one later rewrites a written block
             piece.segments.insert(0, (0, _zero_header(sess, header_bytes)))
         return piece
@@ -342,7 +330,7 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
     offsets = [items[i].offset for i in indices]
     pieces = _plan_pieces([items[i].payload_bytes for i in indices], _step(cfg, cb), cb, tail_bytes=cb)
     hdr = sess.staging("header", header.header_bytes) if verify_header else None
-    addrs = _addresses(f, outs)
+    addrs = None if _in_place(f, outs) else _addresses(f, outs)
     results: list[IoFault | None] = [None] * len(indices)
     if len(pieces) <= 1:  # small read: one vectored call
         segments = [(0, hdr)] if hdr is not None else []
@@ -363,7 +351,7 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
     inflight: deque[_Piece] = deque()
     between = _poller(sess, inflight)
     checks = []
-    premapped = not _bounce_bytes([r for p in pieces for r in p.ranges], addrs)
+    premapped = addrs is None or not _bounce_bytes([r for p in pieces for r in p.ranges], addrs)
     if premapped:  # no staging slot to reuse: map every piece now, not between two reads
         for piece in pieces:
             _map_piece(sess, piece, outs, addrs, offsets, 0, False)
@@ -394,7 +382,7 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
                 dest[:] = staged
             if pending and not sess.synchronous:
                 post()
-            if pool is None:
+            if pool is None or not pending:  # the last piece: verified here, no hand-off to wait for
                 checks.append(_verify_piece(piece, outs, header, indices, between))
             else:  # the pool gets its job before this thread blocks in the next read
                 checks.append(pool.submit(_verify_piece, piece, outs, header, indices))
