@@ -88,13 +88,8 @@ def _cfg():
     return PipelineConfig(checksum_pool=_InlineExecutor(), checksum_algo=DEFAULT_CHECKSUM)
 
 
-def test_a_write_seals_its_header_beside_the_payload(tmp_path, monkeypatch):
-    """Checksums and the header are built by one pool job submitted before the payload's write, so
-    once the payload lands only the header's own write is left (before: the header was built after
-    the payload write returned). The inline executor runs that job at once."""
-    log = []
-    real_build = transfer.build_header
-    monkeypatch.setattr(transfer, "build_header", lambda *a: (log.append(("build_header",)), real_build(*a))[1])
+def _write_pack(tmp_path, log):
+    """A pack of 64 pages of 256 KiB written through a logging session: (session, header, pages)."""
     sess = _LoggingSession(log)
     specs, pages = _specs_and_pages(64, 256 << 10)
     f = _new_file(sess, tmp_path, file_bytes_for(specs, MiB))
@@ -102,6 +97,17 @@ def test_a_write_seals_its_header_beside_the_payload(tmp_path, monkeypatch):
         header = write_items(sess, f, 7, specs, pages, _cfg())
     finally:
         sess.close(f)
+    return sess, header, pages
+
+
+def test_a_write_seals_its_header_beside_the_payload(tmp_path, monkeypatch):
+    """Checksums and the header are built by one pool job submitted before the payload's write, so
+    once the payload lands only the header's own write is left (before: the header was built after
+    the payload write returned). The inline executor runs that job at once."""
+    log = []
+    real_build = transfer.build_header
+    monkeypatch.setattr(transfer, "build_header", lambda *a: (log.append(("build_header",)), real_build(*a))[1])
+    sess, header, _pages = _write_pack(tmp_path, log)
     payload = ("WRITE", header.header_bytes + 64 * (256 << 10))  # zeroed header block + every page, one call
     assert log == [("build_header",), payload, ("WRITE", header.header_bytes)]
     sess.shutdown()
@@ -110,13 +116,7 @@ def test_a_write_seals_its_header_beside_the_payload(tmp_path, monkeypatch):
 def test_a_read_verifies_each_piece_before_reading_the_next(tmp_path, monkeypatch):
     """Only the last piece (one chunk) is verified after the last read; every byte is verified once."""
     log = []
-    sess = _LoggingSession(log)
-    specs, pages = _specs_and_pages(64, 256 << 10)
-    f = _new_file(sess, tmp_path, file_bytes_for(specs, MiB))
-    try:
-        header = write_items(sess, f, 7, specs, pages, _cfg())
-    finally:
-        sess.close(f)
+    sess, header, pages = _write_pack(tmp_path, log)
     real_checksum = transfer.chunk_checksum
     monkeypatch.setattr(transfer, "chunk_checksum", lambda chunk, *a: (log.append(("VERIFY", chunk.size)),
                                                                        real_checksum(chunk, *a))[1])
