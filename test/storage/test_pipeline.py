@@ -140,3 +140,57 @@ def test_a_read_verifies_each_piece_before_reading_the_next(tmp_path, monkeypatc
     assert verified_before == [0, 8 * MiB, 12 * MiB, 14 * MiB, 15 * MiB]
     sess.shutdown()
 
+
+
+class _DeferredExecutor:
+    """Holds each job until its result is asked for: the pool stays busy with its first job."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def submit(self, fn, *args):
+        executor = self
+
+        class _Later(Future):
+            def result(self, timeout=None):
+                if not self.done():
+                    self.set_result(fn(*args))
+                return super().result(timeout)
+
+        job = _Later()
+        executor.jobs.append(args[0])  # the piece
+        return job
+
+
+class _LandedAtOnce(_LoggingSession):
+    """Asynchronous to the pipeline, but every posted piece has landed when it is first polled: the
+    case of posted pieces completing together (as the NIXL queue's did on the reference VM)."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.synchronous = False
+
+    def poll(self, token):
+        return True
+
+
+def test_pieces_that_land_together_are_verified_on_two_threads(tmp_path, monkeypatch):
+    """An idle pool takes a landed piece while this thread verifies the next ones (before: with an
+    asynchronous session every piece was verified in the waiting thread, one after the other)."""
+    log = []
+    sess, header, pages = _write_pack(tmp_path, log)
+    sess.shutdown()
+    sess = _LandedAtOnce(log)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    f = sess.open_read(dir_fd, "f.tmp-1-1", direct=False, label="f")
+    os.close(dir_fd)
+    pool = _DeferredExecutor()
+    outs = [np.empty(256 << 10, np.uint8) for _ in range(64)]
+    try:
+        faults = read_items(sess, f, header, list(range(64)), outs, PipelineConfig(checksum_pool=pool),
+                            verify_header=False)
+    finally:
+        sess.close(f)
+    assert faults == [None] * 64 and all(o.tobytes() == p.tobytes() for o, p in zip(outs, pages))
+    assert _piece_bytes(pool.jobs) == [8 * MiB]  # the first piece; the pool stays busy with it
+    sess.shutdown()

@@ -134,13 +134,14 @@ class NixlSession(IoSession):
             raise IoFault(Fault.IO_ERROR, f"NIXL {op} {f.path} post: {type(exc).__name__}: {exc}") from None
         return _Pending(handle, temp_regs, op, f.path, state)
 
-    def poll(self, token: object) -> None:
+    def poll(self, token: object) -> bool:
         p: _Pending = token
         if p.state == "PROC" and p.error is None:
             try:
                 p.state = self.agent.check_xfer_state(p.handle)
             except Exception as exc:  # reported by wait(), which also releases the handle
                 p.error = exc
+        return p.state != "PROC" or p.error is not None
 
     def wait(self, token: object) -> None:
         p: _Pending = token

@@ -364,10 +364,12 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
         piece.token = sess.submit(f, "READ", segments)
         inflight.append(piece)
 
-    # A synchronous session reads piece k+1 in this thread while the pool verifies piece k; an
-    # asynchronous one keeps `max_inflight` pieces posted and verifies here between polls.
+    # A synchronous session reads piece k+1 in this thread while the pool verifies piece k. An
+    # asynchronous one keeps `max_inflight` pieces posted and verifies here between polls; when the
+    # next piece has landed too (posted pieces tend to complete together), the idle pool takes this
+    # one, so the two threads share what is left to verify.
     window = 1 if sess.synchronous else cfg.max_inflight
-    pool = _checksum_pool(cfg, sess)
+    pool, pool_job = cfg.checksum_pool, None
     try:
         while pending and len(inflight) < window:
             post()
@@ -382,10 +384,16 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
                 dest[:] = staged
             if pending and not sess.synchronous:
                 post()
-            if pool is None or not pending:  # the last piece: verified here, no hand-off to wait for
+            if sess.synchronous:
+                beside = pool is not None and bool(pending)  # not the last: the pool's, before this thread reads on
+            else:
+                beside = (pool is not None and inflight and (pool_job is None or pool_job.done())
+                          and sess.poll(inflight[0].token))
+            if beside:
+                pool_job = pool.submit(_verify_piece, piece, outs, header, indices)
+                checks.append(pool_job)
+            else:
                 checks.append(_verify_piece(piece, outs, header, indices, between))
-            else:  # the pool gets its job before this thread blocks in the next read
-                checks.append(pool.submit(_verify_piece, piece, outs, header, indices))
             if pending and sess.synchronous:
                 post()
     finally:
