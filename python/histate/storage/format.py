@@ -53,6 +53,7 @@ _FLAG_CHECKSUM_MASK = 0xF
 _FIXED = struct.Struct("<8sHHIQII")  # 32 bytes
 _ITEM = struct.Struct("<QHHHH")  # 16 bytes
 _CRC = struct.Struct("<I")
+_SHAPES = [struct.Struct(f"<{ndim}Q") for ndim in range(MAX_NDIM + 1)]
 
 
 class FormatError(ValueError):
@@ -96,7 +97,7 @@ class ItemSpec:
         """The item's header record up to (not including) its chunk checksums."""
         key_b, dtype_b = self.key.encode(), self.dtype_name.encode("ascii")  # sizes checked in __init__
         return b"".join((_ITEM.pack(self.payload_bytes, len(key_b), len(dtype_b), len(self.shape), 0), key_b,
-                         dtype_b, struct.pack(f"<{len(self.shape)}Q", *self.shape)))
+                         dtype_b, _SHAPES[len(self.shape)].pack(*self.shape)))
 
 
 @dataclass(frozen=True)
@@ -275,13 +276,17 @@ def header_matches(buf, header: FileHeader) -> bool:
 def build_header(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec],
                  checksums: Sequence[Sequence[int]]) -> FileHeader:
     """The header of a file about to be completed: specs in file order with their chunk checksums."""
-    liveness_offset = _FIXED.size + _CRC.size + sum(len(s.record) + 4 * len(c) for s, c in zip(specs, checksums))
+    records = [spec.record for spec in specs]
+    liveness_offset = _FIXED.size + _CRC.size + sum(len(r) + 4 * len(c) for r, c in zip(records, checksums))
     header_bytes = align_up(liveness_offset + len(specs))
     offsets = item_offsets(specs, header_bytes)
     items = []
-    for spec, sums, offset in zip(specs, checksums, offsets):
-        item = Item(spec.key, spec.payload_bytes, spec.dtype_name, spec.shape, tuple(sums), offset)
-        item.__dict__["record"] = spec.record  # already encoded (cached_property storage)
+    for spec, record, sums, offset in zip(specs, records, checksums, offsets):
+        # one Item per stored page: filled in one dict update, like ItemSpec.__init__ (the generated
+        # frozen __init__ costs six object.__setattr__ calls); `record` is its cached_property's value
+        item = object.__new__(Item)
+        item.__dict__.update(key=spec.key, payload_bytes=spec.payload_bytes, dtype_name=spec.dtype_name,
+                             shape=spec.shape, chunk_checksums=tuple(sums), offset=offset, record=record)
         items.append(item)
     header = FileHeader(seq, chunk_bytes, algo, tuple(items))
     header.__dict__.update(liveness_offset=liveness_offset, header_bytes=header_bytes)  # cached_property storage
