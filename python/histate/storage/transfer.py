@@ -66,7 +66,7 @@ def _plan_pieces(sizes: Sequence[int], step: int, chunk_bytes: int, tail_bytes: 
     multiple of `chunk_bytes` (chunks are checksummed whole). With `tail_bytes`, the pieces halve
     towards the end, down to about `tail_bytes`: a read verifies piece k while it reads the later
     ones, so only the last, small piece's verification is left when the I/O ends."""
-    remaining = sum(align_up(size) for size in sizes)
+    remaining = sum(-(-size // ALIGN_BYTES) * ALIGN_BYTES for size in sizes)
 
     def target() -> int:
         return min(step, max(tail_bytes, remaining // 2)) if tail_bytes else step
@@ -75,7 +75,10 @@ def _plan_pieces(sizes: Sequence[int], step: int, chunk_bytes: int, tail_bytes: 
     for slot, size in enumerate(sizes):
         start = 0
         while start < size:
-            stop = min(size, start + max(chunk_bytes, -(-(want - current_bytes) // chunk_bytes) * chunk_bytes))
+            if size <= chunk_bytes:  # a page: never cut, one range (the common case, without the arithmetic)
+                stop = size
+            else:
+                stop = min(size, start + max(chunk_bytes, -(-(want - current_bytes) // chunk_bytes) * chunk_bytes))
             current.append((slot, start, stop))
             current_bytes += -(-(stop - start) // ALIGN_BYTES) * ALIGN_BYTES
             start = stop
