@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -34,8 +34,8 @@ from histate.storage.batch import IoBatch
 from histate.storage.buffers import aligned_empty, destination_view, source_view
 from histate.storage.config import StoreConfig
 from histate.storage.file_backend import FileSession
-from histate.storage.format import (CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, ItemSpec, align_up, header_bytes_for,
-                                    xxhash)
+from histate.storage.format import (CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, ItemSpec, align_up,
+                                    header_bytes_for, xxhash)
 from histate.storage.index import Entry, Index, StoredFile, new_entry, rebuild, write_liveness
 from histate.storage.io_base import IoSession, probe_direct_io
 from histate.storage.layout import Layout, Location, validate_key
