@@ -5,14 +5,17 @@ than that spans several pieces, cut at multiples of the chunk size; small items 
 
 Writes post the payload -- in one vectored call when no bounce buffer is needed, else piece by piece
 with up to `max_inflight` in flight -- with a zero placeholder for the header block. Meanwhile every
-chunk is checksummed and the header is built and encoded (on the checksum pool beside a synchronous
-session's syscall, or in this thread between polls of an asynchronous session), so when the payload
+chunk is checksummed, the header is built and encoded and the caller's `on_sealed` runs (the store
+prepares the file's index entries and put results there): on the checksum pool beside a synchronous
+session's syscall, or in this thread between polls of an asynchronous session. So when the payload
 has landed only the header's own write is left. A file up to SINGLE_CALL_MAX_BYTES is checksummed
 first and written in one call, header included.
 
 Reads post the pieces of the items asked for and verify piece k while later pieces are read; the
 pieces halve towards the end of the read, down to one chunk, so only one small piece's verification
-follows the last I/O. One item's checksum mismatch fails that item only.
+follows the last I/O. When posted pieces land together (as NIXL's did on the reference VM), an idle
+pool thread takes one while this thread verifies the next. One item's checksum mismatch fails that
+item only.
 
 With O_DIRECT, host memory that is not block aligned (and the partial last block of each item) goes
 through session-owned, registered bounce buffers; aligned caller memory is transferred in place.
