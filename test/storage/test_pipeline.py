@@ -1,9 +1,9 @@
 """The transfer pipeline's shape: what runs beside the I/O, and what is left after it.
 
 A logging plain-file session records every transfer, and an executor that runs each job the moment it
-is submitted stands in for the checksum pool, so the order of I/O, checksums and header building is
-deterministic: these tests check the structure of the overlap, not timings (the speed is measured by
-benchmark/storage_io.py).
+is submitted (or, to keep the pool busy, only when its result is asked for) stands in for the checksum
+pool, so the order of I/O, checksums and header building is deterministic: these tests check the
+structure of the overlap, not timings (the speed is measured by benchmark/storage_io.py).
 """
 import os
 from concurrent.futures import Future
@@ -149,7 +149,7 @@ class _DeferredExecutor:
         self.jobs = []
 
     def submit(self, fn, *args):
-        executor = self
+        self.jobs.append(args[0])  # the piece
 
         class _Later(Future):
             def result(self, timeout=None):
@@ -157,9 +157,7 @@ class _DeferredExecutor:
                     self.set_result(fn(*args))
                 return super().result(timeout)
 
-        job = _Later()
-        executor.jobs.append(args[0])  # the piece
-        return job
+        return _Later()
 
 
 class _LandedAtOnce(_LoggingSession):
