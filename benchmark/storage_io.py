@@ -13,7 +13,9 @@ so that drift on a shared disk hits all of them alike; cells are medians.
               preallocation, rename, index, O_DIRECT
 
 Every write creates a new object (as new checkpoints do); the previous one is deleted outside the
-timed region. Reads fetch the newest object into a preallocated, page-aligned buffer.
+timed region. Reads fetch the newest object into a preallocated, page-aligned buffer. Before timing,
+each store's 256 fan-out directories are created (`warm_fanouts`): a store that has served for a while
+has them all, a fresh one makes each on first use.
 
 Per-call overhead = median(store call on a 4 KiB object) - median(raw-layout call on the same 8 KiB
 file: header block + payload block). Ratio = median over reps of raw latency / store latency, paired
@@ -38,6 +40,7 @@ import numpy as np
 
 from histate.storage import CheckpointStore, StoreConfig, aligned_empty, nixl_available
 from histate.storage.format import ItemSpec, header_bytes_for
+from histate.storage.layout import FANOUT_DIRS
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -133,6 +136,24 @@ class Case:
 
     def __init__(self, name: str, num_bytes: int, impls: dict):
         self.name, self.num_bytes, self.impls = name, num_bytes, impls
+
+
+def warm_fanouts(store: CheckpointStore) -> None:
+    """Create every fan-out directory of the store's roots, as a store that has run for a while has
+    them (they are made on first use: without this, most timed writes of a fresh store would include
+    a mkdir, which the raw baselines never pay)."""
+    layout, keys = store.layout, []
+    missing = {(root, f"{i:02x}") for root in range(len(layout.roots)) for i in range(FANOUT_DIRS)}
+    n = 0
+    while missing:
+        loc = layout.object_location(f"warm-{n}")
+        if (loc.root, loc.fanout) in missing:
+            missing.discard((loc.root, loc.fanout))
+            keys.append(f"warm-{n}")
+        n += 1
+    one = np.zeros(1, np.uint8)
+    assert all(r.stored for r in store.put_many([(k, one) for k in keys]))
+    store.delete_many(keys)
 
 
 def _aligned_random(rng, num_bytes: int) -> np.ndarray:
@@ -305,6 +326,7 @@ def main(argv=None) -> int:
             cfg = StoreConfig(dirs=[os.path.join(base, b)], capacity_bytes=64 << 30, backend=b,
                               num_workers=args.num_workers, **tuning)
             stores[b] = CheckpointStore(cfg)
+            warm_fanouts(stores[b])
             if not all(stores[b].direct_io.values()):
                 print(f"warning: {base} refuses O_DIRECT; {b} runs buffered", file=sys.stderr)
         cases = build_cases(stores, raw_dir, np.random.default_rng(0))

@@ -6,11 +6,15 @@ Aligned buffers matter because O_DIRECT needs block-aligned host addresses; anyt
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import numpy as np
 
 from histate.storage.format import ALIGN_BYTES
+
+
+_UINT8 = np.dtype(np.uint8)
 
 
 def aligned_empty(num_bytes: int, align_bytes: int = ALIGN_BYTES) -> np.ndarray:
@@ -21,7 +25,13 @@ def aligned_empty(num_bytes: int, align_bytes: int = ALIGN_BYTES) -> np.ndarray:
 
 
 def address_of(view: np.ndarray) -> int:
-    return int(view.ctypes.data)
+    """Address of the first byte. `ctypes.c_char.from_buffer` costs ~0.5 us against ~2 us for
+    `ndarray.ctypes.data`, which matters once per page of a batch; it needs a writable, non-empty
+    buffer, so read-only and empty views take the slow path."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return int(view.ctypes.data)
 
 
 def is_aligned(view: np.ndarray, align_bytes: int = ALIGN_BYTES) -> bool:
@@ -47,7 +57,8 @@ def _torch_bytes(tensor, writable: bool) -> np.ndarray:
 def source_view(obj) -> tuple[np.ndarray, str, tuple[int, ...]]:
     """(flat uint8 view sharing memory, dtype name, shape) of a payload to write."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and not obj.dtype.hasobject:  # the common case
-        return obj.reshape(-1).view(np.uint8), obj.dtype.str, obj.shape
+        flat = obj if obj.dtype is _UINT8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
+        return flat, obj.dtype.str, obj.shape
     if _is_torch_tensor(obj):
         return _torch_bytes(obj, writable=False), str(obj.dtype), tuple(int(d) for d in obj.shape)
     if isinstance(obj, np.generic):
@@ -71,7 +82,7 @@ def source_view(obj) -> tuple[np.ndarray, str, tuple[int, ...]]:
 def destination_view(obj, num_bytes: int) -> np.ndarray:
     """Flat writable uint8 view of a caller-supplied read destination of exactly `num_bytes`."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.flags.writeable:  # the common case
-        flat = obj.reshape(-1).view(np.uint8)
+        flat = obj if obj.dtype is _UINT8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
     elif _is_torch_tensor(obj):
         flat = _torch_bytes(obj, writable=True)
     elif isinstance(obj, np.ndarray):

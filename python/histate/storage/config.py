@@ -22,9 +22,9 @@ class StoreConfig:
     file_io_threads: int = 0  # per worker, plain backend: helper threads for the syscalls (0: the worker does them)
     nixl_params: dict[str, str] = field(default_factory=dict)  # POSIX plugin params, e.g. {"use_uring": "true"}
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # checksum granularity
-    piece_bytes: int = 16 << 20  # pipeline unit: I/O size of reads (and of writes needing bounce buffers)
+    piece_bytes: int = 16 << 20  # largest read piece (reads halve theirs towards the end); write piece when bounced
     max_inflight: int = 4  # pipeline depth, pieces
-    checksum_threads: int = 1  # pool that checksums beside synchronous I/O (plain backend); NIXL checksums between polls
+    checksum_threads: int = 1  # checksums/headers beside the plain backend's syscalls; shares NIXL reads' verification
     checksum: str = "auto"  # payload checksum of new files: "xxh3" (needs xxhash), "crc32"; auto = xxh3 if installed
     max_write_backlog_bytes: int = 1 << 30  # queued + running put payload bytes
     max_write_backlog_items: int = 4096

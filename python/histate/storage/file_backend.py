@@ -93,6 +93,9 @@ class FileSession(IoSession):
             return _Done(None)
         return self._pool.submit(move_segments, f, op, list(segments))
 
+    def poll(self, token: object) -> bool:
+        return token.done() if isinstance(token, Future) else True
+
     def wait(self, token: object) -> None:
         if isinstance(token, Future):
             token.result()

@@ -22,7 +22,7 @@ import os
 import stat
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterator
+from typing import Callable, Collection, Iterator, NamedTuple
 
 from histate.storage.format import (ALIGN_BYTES, FileHeader, FormatError, Item, align_up, decode_header, encode_header,
                                     header_bytes_from_prefix)
@@ -42,23 +42,28 @@ class StoredFile:
     path: str
     header: FileHeader
     live: set[int] = field(default_factory=set)
+    is_pack: bool = field(init=False)  # read once per key of every get: a field, not a property
+    published_s: float = 0.0  # clock time its items were published (all at once), or indexed at restart
+
+    def __post_init__(self) -> None:
+        self.is_pack = self.loc.name.endswith(PACK_SUFFIX)
 
     @property
     def file_bytes(self) -> int:
         return self.header.file_bytes
 
-    @property
-    def is_pack(self) -> bool:
-        return self.loc.name.endswith(PACK_SUFFIX)
 
+class Entry(NamedTuple):
+    """One published key (immutable; a tuple because one is made per stored page, on the hot path)."""
 
-@dataclass(frozen=True)
-class Entry:
     key: str
     file: StoredFile
     index: int  # item index within the file
-    published_s: float
     generation: int  # identity of this publication: guards removals against a newer copy
+
+    @property
+    def published_s(self) -> float:
+        return self.file.published_s
 
     @property
     def header(self) -> FileHeader:
@@ -86,8 +91,8 @@ class Entry:
         return self.item.padded_bytes if self.file.is_pack else self.file.file_bytes
 
 
-def new_entry(key: str, file: StoredFile, index: int, published_s: float) -> Entry:
-    return Entry(key, file, index, published_s, next(_generations))
+def new_entry(key: str, file: StoredFile, index: int) -> Entry:
+    return Entry(key, file, index, next(_generations))
 
 
 class Index:
@@ -105,6 +110,9 @@ class Index:
 
     def get(self, key: str) -> Entry | None:
         return self._entries.get(key)
+
+    def get_many(self, keys: list[str]) -> list[Entry | None]:
+        return list(map(self._entries.get, keys))
 
     def publish(self, entry: Entry) -> Entry | None:
         """Insert or replace; returns the replaced entry (its file may now be dead). Newest last."""
@@ -267,9 +275,10 @@ def rebuild(layout: Layout, roots: list[OwnedRoot], now_s: float,
         winners = _resolve_duplicates(found, report)
         index = Index()
         for f in sorted(found, key=lambda f: (f.mtime_s, f.file.header.seq)):
+            f.file.published_s = now_s
             for i, item in enumerate(f.file.header.items):
                 if f.live[i] and winners.get(item.key) is f:
-                    index.publish(new_entry(item.key, f.file, i, now_s))
+                    index.publish(new_entry(item.key, f.file, i))
                     report.kept += 1
             if not f.file.live:  # nothing of it survived: the file goes
                 _discard(f.dir_fd, f.file.loc.name, report, "duplicate" if f.had_live else "dead")

@@ -154,9 +154,11 @@ class IoSession:
     def wait(self, token: object) -> None:
         raise NotImplementedError
 
-    def poll(self, token: object) -> None:
-        """Non-blocking progress on a submitted transfer. Backends whose queue only advances when
-        polled (NIXL POSIX) use it to keep the disk busy while the caller checksums; others ignore it."""
+    def poll(self, token: object) -> bool:
+        """Non-blocking progress on a submitted transfer; True once it has ended (`wait` then returns
+        at once, or raises its error). Backends whose queue only advances when polled (NIXL POSIX)
+        use it to keep the disk busy while the caller checksums."""
+        return False
 
     def shutdown(self) -> None:
         for buf in self._staging.values():

@@ -26,6 +26,7 @@ TEMP_MARKER = ".tmp-"
 FANOUT_DIRS = 256
 _MAX_ENCODED_CHARS = 200  # well under NAME_MAX (255) with suffixes
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+", re.ASCII)
 _OBJECT_STEM = r"(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+|~[0-9a-f]{64}"
 _PACK_STEM = r"[0-9a-f]{16}"
 _NAME_KINDS = (
@@ -59,6 +60,8 @@ def validate_key(key: object) -> str:
 
 def encode_key(key: str) -> str:
     """File-name stem for `key` (injective for short keys; hashed for long ones)."""
+    if len(key) <= _MAX_ENCODED_CHARS and _ALL_SAFE.fullmatch(key):  # the common case, without a per-byte loop
+        return key
     raw = key.encode()
     out = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in raw)
     if len(out) > _MAX_ENCODED_CHARS:

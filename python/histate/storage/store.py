@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -34,7 +34,8 @@ from histate.storage.batch import IoBatch
 from histate.storage.buffers import aligned_empty, destination_view, source_view
 from histate.storage.config import StoreConfig
 from histate.storage.file_backend import FileSession
-from histate.storage.format import CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, ItemSpec, file_bytes_for, xxhash
+from histate.storage.format import (CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, ItemSpec, align_up,
+                                    header_bytes_for, xxhash)
 from histate.storage.index import Entry, Index, StoredFile, new_entry, rebuild, write_liveness
 from histate.storage.io_base import IoSession, probe_direct_io
 from histate.storage.layout import Layout, Location, validate_key
@@ -51,7 +52,7 @@ CapacityCallback = Callable[[int], Iterable[str]]
 EvictCallback = Callable[[EvictionEvent], None]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _PutItem:
     key: str
     src: np.ndarray  # flat uint8, borrowed from the caller until completion
@@ -67,15 +68,27 @@ class _WriteOp:
     items: list[_PutItem]
     batch: IoBatch
     pack: bool
+    header_bytes: int
     file_bytes: int
     seq: int = 0
     loc: Location | None = None
     reserved_bytes: int = 0
     finished: bool = False  # backlog, reservation and pending entries released
+    publication: _Publication | None = None  # prepared beside the I/O, once the header is known
 
     @property
     def payload_bytes(self) -> int:
         return sum(i.src.size for i in self.items)
+
+
+@dataclass(eq=False, slots=True)
+class _Publication:
+    """What publishing a written file takes, built while its payload is still being written: its
+    index record, one entry per item, and the results if every item gets published."""
+
+    file: StoredFile
+    entries: list[Entry]
+    results: list[tuple[int, PutResult]]
 
 
 @dataclass(eq=False)
@@ -218,15 +231,14 @@ class CheckpointStore:
         return self.get_many([key], None if out is None else [out])[0]
 
     def _put_ops(self, items: Sequence[tuple[str, object]], pack: bool) -> tuple[IoBatch[PutResult], list]:
-        prepared = [self._prepare_item(slot, key, data) for slot, (key, data) in enumerate(items)]
+        prepared = []
+        for slot, (key, data) in enumerate(items):  # bad input raises here, before any I/O
+            key = validate_key(key)
+            src, dtype_name, shape = source_view(data)
+            prepared.append(_PutItem(key, src, ItemSpec(key, src.size, dtype_name, shape), slot))
         batch: IoBatch[PutResult] = IoBatch(len(prepared))
         groups = self._pack_groups(prepared) if pack else [[item] for item in prepared]
         return batch, [self._write_op(group, batch, pack=len(group) > 1) for group in groups]
-
-    def _prepare_item(self, slot: int, key: str, data: object) -> _PutItem:
-        key = validate_key(key)  # bad input raises before any I/O
-        src, dtype_name, shape = source_view(data)
-        return _PutItem(key, src, ItemSpec(key, src.size, dtype_name, shape), slot)
 
     def _pack_groups(self, items: list[_PutItem]) -> list[list[_PutItem]]:
         """Consecutive items up to pack_max_bytes per file; a key given twice starts a new file (so the
@@ -243,27 +255,35 @@ class CheckpointStore:
         return groups
 
     def _write_op(self, items: list[_PutItem], batch: IoBatch, pack: bool) -> _WriteOp:
-        return _WriteOp(items, batch, pack, file_bytes_for([i.spec for i in items], self.config.chunk_bytes))
+        header_bytes = header_bytes_for([i.spec for i in items], self.config.chunk_bytes)
+        return _WriteOp(items, batch, pack, header_bytes, header_bytes + sum(align_up(i.src.size) for i in items))
 
     def _get_ops(self, keys: Sequence[str], out: Sequence[object] | None) -> tuple[IoBatch[GetResult], list]:
-        """One read op per pack the keys live in, one per other key; destinations checked loudly here."""
+        """One read op per pack the keys live in, one per other key. Destinations are checked loudly here
+        and kept as flat byte views (the read checks only their size again: the key may have been
+        replaced meanwhile)."""
         keys = [validate_key(k) for k in keys]
         outs = list(out) if out is not None else [None] * len(keys)
         if len(outs) != len(keys):
             raise ValueError(f"{len(outs)} destinations for {len(keys)} keys")
-        batch: IoBatch[GetResult] = IoBatch(len(keys))
-        groups: dict[object, _ReadOp] = {}
         with self._lock:
             self._check_open()
-            for slot, (key, dest) in enumerate(zip(keys, outs)):
-                entry = self._index.get(key)
-                if dest is not None and entry is not None:
-                    destination_view(dest, entry.item.payload_bytes)  # bad buffers fail here, loudly
-                group = id(entry.file) if entry is not None and entry.file.is_pack else ("key", slot)
-                op = groups.setdefault(group, _ReadOp([], [], [], batch))
-                op.keys.append(key)
-                op.slots.append(slot)
-                op.outs.append(dest)
+            entries = self._index.get_many(keys)
+        batch: IoBatch[GetResult] = IoBatch(len(keys))
+        groups: dict[int, _ReadOp] = {}
+        for slot, (key, dest, entry) in enumerate(zip(keys, outs, entries)):
+            if entry is None:
+                group = ~slot  # negative: never an id()
+            else:
+                if dest is not None:
+                    dest = destination_view(dest, entry.file.header.items[entry.index].payload_bytes)
+                group = id(entry.file) if entry.file.is_pack else ~slot
+            op = groups.get(group)
+            if op is None:
+                op = groups[group] = _ReadOp([], [], [], batch)
+            op.keys.append(key)
+            op.slots.append(slot)
+            op.outs.append(dest)
         return batch, list(groups.values())
 
     def exists(self, key: str) -> bool:
@@ -391,7 +411,7 @@ class CheckpointStore:
         if self._on_evict is None:
             return True
         try:
-            self._on_evict(EvictionEvent(entry.key, entry.file_bytes, self._clock() - entry.published_s, reason))
+            self._on_evict(EvictionEvent(entry.key, entry.file_bytes, self._clock() - entry.file.published_s, reason))
         except Exception:
             self._owner_failed("on_evict")
             return False
@@ -577,7 +597,7 @@ class CheckpointStore:
             self.stats.gets += len(todo)
         for _attempt in range(_READ_ATTEMPTS):
             with self._lock:
-                entries = [self._index.get(op.keys[j]) for j in todo]
+                entries = self._index.get_many([op.keys[j] for j in todo])
             done: list[tuple[int, GetResult]] = []
             by_file: dict[int, list[tuple[int, Entry]]] = {}
             for j, entry in zip(todo, entries):
@@ -599,14 +619,16 @@ class CheckpointStore:
                     done: list[tuple[int, GetResult]]) -> list[int]:
         """Read items of one file into `done`; returns the positions to retry (their key was replaced)."""
         file = group[0][1].file
+        items = file.header.items
         wanted = []
         for j, entry in group:
-            size = entry.item.payload_bytes
-            if op.outs[j] is None:
+            size = items[entry.index].payload_bytes
+            dest = op.outs[j]
+            if dest is None:
                 wanted.append((j, entry, aligned_empty(size)))
                 continue
             try:
-                wanted.append((j, entry, destination_view(op.outs[j], size)))
+                wanted.append((j, entry, destination_view(dest, size)))
             except ValueError:  # replaced by an object of another size since submit
                 done.append((j, GetResult(entry.key, Fault.NOT_FOUND)))
         if not wanted:
@@ -620,9 +642,14 @@ class CheckpointStore:
         else:
             whole_file = False
         retry, broken = [], []
+        if not whole_file and faults.count(None) == len(faults):  # the common case, in one comprehension
+            done += [(j, GetResult(entry.key, None, flat, items[entry.index].dtype_name, items[entry.index].shape))
+                     for j, entry, flat in wanted]
+            return retry
         for (j, entry, flat), fault in zip(wanted, faults):
             if fault is None:
-                done.append((j, GetResult(entry.key, None, flat, entry.item.dtype_name, entry.item.shape)))
+                item = items[entry.index]
+                done.append((j, GetResult(entry.key, None, flat, item.dtype_name, item.shape)))
                 continue
             with self._lock:
                 current = self._index.get(entry.key)
@@ -669,13 +696,14 @@ class CheckpointStore:
         """Count and complete read results, (position in op, result), under one lock acquisition each."""
         if not done:
             return
+        hits = [r.buffer.size for _j, r in done if r.fault is None]
         with self._lock:
-            for _j, result in done:
-                if result.hit:
-                    self.stats.hits += 1
-                    self.stats.bytes_read += result.buffer.size
-                else:
-                    self.stats.count(self.stats.misses, result.fault)
+            self.stats.hits += len(hits)
+            self.stats.bytes_read += sum(hits)
+            if len(hits) < len(done):
+                for _j, result in done:
+                    if result.fault is not None:
+                        self.stats.count(self.stats.misses, result.fault)
         op.batch._complete_many([(op.slots[j], result) for j, result in done])
 
     # --- writes --------------------------------------------------------------------------------
@@ -697,7 +725,7 @@ class CheckpointStore:
                 f = sess.create(dir_fd, tmp.name, op.file_bytes, self._direct_for(loc), label)
                 try:
                     header = write_items(sess, f, op.seq, [i.spec for i in op.items], [i.src for i in op.items],
-                                         self._pipe)
+                                         self._pipe, op.header_bytes, lambda h: self._prepare_publication(op, h))
                 finally:
                     sess.close(f)
             except BaseException as exc:
@@ -719,14 +747,14 @@ class CheckpointStore:
         """(lock held) Decide which items are still wanted, make the others dead in the file, rename it
         into place and index it. Returns per-slot faults of the items not published, and whether the file was."""
         faults: dict[int, Fault] = {}
+        indexed, latest_seq = self._index.get, self._latest_seq.get
         for item in op.items:
             if item.cancelled:
                 faults[item.slot] = Fault.CANCELLED
-            else:
-                current = self._index.get(item.key)
-                latest = max(self._latest_seq.get(item.key, 0), current.seq if current is not None else 0)
-                if latest > op.seq:
-                    faults[item.slot] = Fault.SUPERSEDED
+                continue
+            current = indexed(item.key)
+            if (current is not None and current.file.header.seq > op.seq) or latest_seq(item.key, 0) > op.seq:
+                faults[item.slot] = Fault.SUPERSEDED
         unsafe = len(faults) < len(op.items) and not is_replaceable(dir_fd, op.loc.name)
         if len(faults) == len(op.items) or unsafe:
             remove_file(dir_fd, tmp.name)
@@ -744,17 +772,26 @@ class CheckpointStore:
             fault = fault_from_oserror(exc, f"publish {self.layout.path(op.loc)}").fault
             faults.update({item.slot: fault for item in op.items if item.slot not in faults})
             return faults, False
-        file = StoredFile(op.loc, self.layout.path(op.loc), header)
-        now = self._clock()
-        for i, item in enumerate(op.items):
-            if item.slot in faults:
+        if op.publication is None:
+            self._prepare_publication(op, header)
+        op.publication.file.published_s = self._clock()
+        publish, pending = self._index.publish, self._pending_puts.get
+        for entry, item in zip(op.publication.entries, op.items):
+            if faults and item.slot in faults:
                 continue
-            replaced = self._index.publish(new_entry(item.key, file, i, now))
-            if len(self._pending_puts.get(item.key, ())) > 1:  # an older put of it may still be running
+            replaced = publish(entry)
+            if len(pending(item.key, ())) > 1:  # an older put of it may still be running
                 self._latest_seq[item.key] = op.seq
             if replaced is not None and replaced.file.loc != op.loc:
                 self._bury(replaced)
         return faults, True
+
+    def _prepare_publication(self, op: _WriteOp, header) -> None:
+        """Index record, entries and results of `op` (no lock needed: nothing shared is touched). Runs
+        beside the payload's I/O when the write is pipelined (write_items' on_sealed)."""
+        file = StoredFile(op.loc, self.layout.path(op.loc), header)
+        op.publication = _Publication(file, [new_entry(item.key, file, i) for i, item in enumerate(op.items)],
+                                      self._put_results(op, {}, header))
 
     def _bury(self, old: Entry) -> None:
         """(lock held) The replaced copy of a key: delete its file, or mark it dead in its pack, so it
@@ -782,39 +819,49 @@ class CheckpointStore:
         op.finished = True
         self._reserved_bytes -= op.reserved_bytes
         op.reserved_bytes = 0
+        payload_bytes = op.payload_bytes
         self._backlog_items -= len(op.items)
-        self._backlog_bytes -= op.payload_bytes
+        self._backlog_bytes -= payload_bytes
+        pending_puts, latest_seq = self._pending_puts, self._latest_seq
         for item in op.items:
-            pending = self._pending_puts.get(item.key)
+            pending = pending_puts.get(item.key)
             if pending is None:
                 continue
             if len(pending) == 1:
                 if pending[0] is op:
-                    del self._pending_puts[item.key]
-                    self._latest_seq.pop(item.key, None)
+                    del pending_puts[item.key]
+                    if latest_seq:
+                        latest_seq.pop(item.key, None)
             else:
                 pending[:] = [p for p in pending if p is not op]
         self.stats.puts += len(op.items)
         self.stats.puts_stored += len(op.items) - len(faults)
-        self.stats.bytes_written += sum(item.src.size for item in op.items if item.slot not in faults)
+        self.stats.bytes_written += (sum(item.src.size for item in op.items if item.slot not in faults) if faults
+                                     else payload_bytes)
         for fault in faults.values():
             self.stats.count(self.stats.put_failures, fault)
         self._room.notify_all()
 
     def _complete_puts(self, op: _WriteOp, faults: dict[int, Fault], header) -> None:
+        if not faults and op.publication is not None:
+            op.batch._complete_many(op.publication.results)
+        else:
+            op.batch._complete_many(self._put_results(op, faults, header))
+
+    def _put_results(self, op: _WriteOp, faults: dict[int, Fault], header) -> list[tuple[int, PutResult]]:
         """Results of every item: a stored item reports its share of the file (a pack's header counts
         with its first item, so the shares add up to the file size)."""
         results = []
         for i, item in enumerate(op.items):
-            fault = faults.get(item.slot)
+            fault = faults.get(item.slot) if faults else None
             if fault is not None:
                 results.append((item.slot, PutResult(item.key, fault)))
             elif not op.pack:
                 results.append((item.slot, PutResult(item.key, None, header.file_bytes)))
             else:
-                share = header.items[i].padded_bytes + (header.header_bytes if i == 0 else 0)
+                share = align_up(item.src.size) + (header.header_bytes if i == 0 else 0)
                 results.append((item.slot, PutResult(item.key, None, share)))
-        op.batch._complete_many(results)
+        return results
 
     def _release_roots(self) -> None:
         for root in self._roots:

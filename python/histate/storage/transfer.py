@@ -1,28 +1,39 @@
 """Moving the items of one file between host buffers and the file: pipelined I/O, checksums beside it.
 
-The payloads of the items being moved are cut into pieces of about `piece_bytes` (an item larger than
-that spans several pieces, cut at multiples of the chunk size; small items share a piece). Writes post
-piece k and checksum it while the disk works, keeping up to `max_inflight` pieces in flight, then
-write the header (it holds the checksums) last, over a zero placeholder written with piece 0; a file
-that fits one piece is a single vectored call, header included. Reads post the pieces of the items
-asked for and verify each chunk as it lands; one item's checksum mismatch fails that item only. So
-checksum cost overlaps I/O instead of adding to it. With O_DIRECT, host memory that is not block
-aligned (and the partial last block of each item) goes through session-owned, registered bounce
-buffers; aligned caller memory is transferred in place.
+The payloads being moved are cut into pieces of about `piece_bytes` (`_plan_pieces`; an item larger
+than that spans several pieces, cut at multiples of the chunk size; small items share a piece).
+
+Writes post the payload -- in one vectored call when no bounce buffer is needed, else piece by piece
+with up to `max_inflight` in flight -- with a zero placeholder for the header block. Meanwhile every
+chunk is checksummed, the header is built and encoded and the caller's `on_sealed` runs (the store
+prepares the file's index entries and put results there): on the checksum pool beside a synchronous
+session's syscall, or in this thread between polls of an asynchronous session. So when the payload
+has landed only the header's own write is left. A file up to SINGLE_CALL_MAX_BYTES is checksummed
+first and written in one call, header included.
+
+Reads post the pieces of the items asked for and verify piece k while later pieces are read; the
+pieces halve towards the end of the read, down to one chunk, so only one small piece's verification
+follows the last I/O. When posted pieces land together (as NIXL's did on the reference VM), an idle
+pool thread takes one while this thread verifies the next. One item's checksum mismatch fails that
+item only.
+
+With O_DIRECT, host memory that is not block aligned (and the partial last block of each item) goes
+through session-owned, registered bounce buffers; aligned caller memory is transferred in place.
 """
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from histate.storage.buffers import address_of
-from histate.storage.format import (ALIGN_BYTES, DEFAULT_CHECKSUM, FileHeader, FormatError, ItemSpec, align_up,
-                                    build_header, chunk_checksum, chunk_seed, decode_header, encode_header,
-                                    header_bytes_for, item_offsets, item_seed)
+from histate.storage.format import (ALIGN_BYTES, DEFAULT_CHECKSUM, DEFAULT_CHUNK_BYTES, FileHeader, FormatError,
+                                    ItemSpec, align_up, build_header, chunk_checksum, chunk_seed, encode_header,
+                                    header_bytes_for, header_matches, item_offsets, item_seed)
 from histate.storage.io_base import IoSession, OpenFile, Segment
 from histate.storage.results import Fault, IoFault
 
@@ -31,17 +42,14 @@ SINGLE_CALL_MAX_BYTES = 4 << 20  # up to this payload a write is one call, heade
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    chunk_bytes: int = 1 << 20  # checksum granularity (recorded in each file's header)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # checksum granularity (recorded in each file's header)
     piece_bytes: int = 8 << 20  # I/O unit of the pipeline; rounded to a multiple of chunk_bytes
     max_inflight: int = 4  # pieces posted but not yet completed
     checksum_pool: Executor | None = None  # where checksums run when the session's I/O blocks this thread
     checksum_algo: int = DEFAULT_CHECKSUM  # for new files (reads use the file's own)
 
 
-class _Range(NamedTuple):
-    slot: int  # which of the items being moved
-    start: int  # payload offset within the item
-    stop: int
+_Range = tuple[int, int, int]  # (slot: which of the items being moved, start, stop: payload offsets in it)
 
 
 @dataclass
@@ -56,17 +64,31 @@ def _step(cfg: PipelineConfig, chunk_bytes: int) -> int:
     return max(1, cfg.piece_bytes // chunk_bytes) * chunk_bytes
 
 
-def _plan_pieces(sizes: Sequence[int], step: int) -> list[_Piece]:
-    """Cut the items (in order) into pieces of about `step` bytes; item cuts fall on multiples of step."""
-    pieces, current, current_bytes = [], [], 0
+def _plan_pieces(sizes: Sequence[int], step: int, chunk_bytes: int, tail_bytes: int = 0) -> list[_Piece]:
+    """Cut the items (in order) into pieces of about `step` bytes; a cut inside an item falls on a
+    multiple of `chunk_bytes` (chunks are checksummed whole). With `tail_bytes`, the pieces halve
+    towards the end, down to about `tail_bytes`: a read verifies piece k while it reads the later
+    ones, so only the last, small piece's verification is left when the I/O ends."""
+    remaining = sum(-(-size // ALIGN_BYTES) * ALIGN_BYTES for size in sizes)
+
+    def target() -> int:
+        return min(step, max(tail_bytes, remaining // 2)) if tail_bytes else step
+
+    pieces, current, current_bytes, want = [], [], 0, target()
     for slot, size in enumerate(sizes):
-        for start in range(0, size, step):
-            stop = min(start + step, size)
-            current.append(_Range(slot, start, stop))
-            current_bytes += align_up(stop - start)
-            if current_bytes >= step:
+        start = 0
+        while start < size:
+            if size <= chunk_bytes:  # a page: never cut, one range (the common case, without the arithmetic)
+                stop = size
+            else:
+                stop = min(size, start + max(chunk_bytes, -(-(want - current_bytes) // chunk_bytes) * chunk_bytes))
+            current.append((slot, start, stop))
+            current_bytes += -(-(stop - start) // ALIGN_BYTES) * ALIGN_BYTES
+            start = stop
+            if current_bytes >= want:
                 pieces.append(_Piece(current))
-                current, current_bytes = [], 0
+                remaining -= current_bytes
+                current, current_bytes, want = [], 0, target()
     if current:
         pieces.append(_Piece(current))
     return pieces
@@ -75,6 +97,13 @@ def _plan_pieces(sizes: Sequence[int], step: int) -> list[_Piece]:
 def _addresses(f: OpenFile, hosts: Sequence[np.ndarray]) -> list[int] | None:
     """Base address of each host buffer, when O_DIRECT needs them (alignment is checked per range)."""
     return [address_of(h) for h in hosts] if f.direct else None
+
+
+def _in_place(f: OpenFile, hosts: Sequence[np.ndarray]) -> bool:
+    """Whether every host buffer moves in place: always without O_DIRECT; with it, when each starts
+    and ends on a block boundary (then so does every range cut from it: cuts fall on chunk multiples).
+    One pass instead of planning bounce buffers range by range."""
+    return not f.direct or all(not h.size % ALIGN_BYTES and not address_of(h) % ALIGN_BYTES for h in hosts if h.size)
 
 
 def _bounce_bytes(ranges: Sequence[_Range], addrs: list[int] | None) -> int:
@@ -92,18 +121,24 @@ def _bounce_bytes(ranges: Sequence[_Range], addrs: list[int] | None) -> int:
 
 
 def _map_piece(sess: IoSession, piece: _Piece, hosts: Sequence[np.ndarray], addrs: list[int] | None,
-               offsets: Sequence[int], slot: int, writing: bool) -> None:
-    """Segments for every range of `piece`, bouncing through staging what O_DIRECT rejects."""
+               offsets: Sequence[int], bounce_slot: int, writing: bool) -> None:
+    """Segments for every range of `piece`, bouncing through staging slot `bounce_slot` what O_DIRECT
+    rejects (`addrs` None: everything moves in place)."""
     if addrs is None:
-        piece.segments += [(offsets[r.slot] + r.start, hosts[r.slot][r.start: r.stop]) for r in piece.ranges]
+        piece.segments += [(offsets[slot] + start, hosts[slot][start: stop]) for slot, start, stop in piece.ranges]
         return
     need = _bounce_bytes(piece.ranges, addrs)
-    stage = sess.staging(f"bounce{slot}", need) if need else None
+    stage = sess.staging(f"bounce{bounce_slot}", need) if need else None
     pos = 0
-    for r in piece.ranges:
-        offset = offsets[r.slot] + r.start
-        view = hosts[r.slot][r.start: r.stop]
-        if (addrs[r.slot] + r.start) % ALIGN_BYTES == 0:
+    for slot, start, stop in piece.ranges:
+        offset = offsets[slot] + start
+        view = hosts[slot]
+        if start or stop != view.size:
+            view = view[start: stop]
+        if (addrs[slot] + start) % ALIGN_BYTES == 0:
+            if not view.size % ALIGN_BYTES:  # the common case: in place, whole
+                piece.segments.append((offset, view))
+                continue
             body = view.size - view.size % ALIGN_BYTES
             if body:
                 piece.segments.append((offset, view[:body]))
@@ -121,17 +156,33 @@ def _map_piece(sess: IoSession, piece: _Piece, hosts: Sequence[np.ndarray], addr
         piece.segments.append((offset, buf))
 
 
-def _checksums(host: np.ndarray, r: _Range, chunk_bytes: int, algo: int, seed: int, between=None) -> list[int]:
-    sums = []
-    for i in range(r.start, r.stop, chunk_bytes):
-        sums.append(chunk_checksum(host[i: min(i + chunk_bytes, r.stop)], algo, chunk_seed(seed, i // chunk_bytes)))
-        if between is not None:
-            between()
-    return sums
+def _checksum_ranges(ranges: Sequence[_Range], hosts: Sequence[np.ndarray], chunk_bytes: int, algo: int,
+                     seeds: Sequence[int], sums: list[list[int]], between=None) -> None:
+    """Append the checksum of every chunk of `ranges` to its item's list in `sums` (ranges in order)."""
+    for slot, start, stop in ranges:
+        host, seed, out = hosts[slot], seeds[slot], sums[slot]
+        for i in range(start, stop, chunk_bytes):
+            out.append(chunk_checksum(host[i: min(i + chunk_bytes, stop)], algo, chunk_seed(seed, i // chunk_bytes)))
+            if between is not None:
+                between()
 
 
-def _piece_checksums(piece: _Piece, hosts, chunk_bytes: int, algo: int, seeds, between=None):
-    return [(r.slot, _checksums(hosts[r.slot], r, chunk_bytes, algo, seeds[r.slot], between)) for r in piece.ranges]
+def _whole_items(hosts: Sequence[np.ndarray]) -> list[_Range]:
+    return [(slot, 0, h.size) for slot, h in enumerate(hosts) if h.size]
+
+
+def _seal_into(hdr: np.ndarray, seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec],
+               hosts: Sequence[np.ndarray], sums: list[list[int]] | None, on_sealed) -> FileHeader:
+    """Checksums (unless `sums` already holds them), the header encoded into `hdr`, then the caller's
+    `on_sealed`: everything a write needs before its header's own write, in one job."""
+    if sums is None:
+        sums = [[] for _ in specs]
+        _checksum_ranges(_whole_items(hosts), hosts, chunk_bytes, algo, [item_seed(s.key, seq) for s in specs], sums)
+    header = build_header(seq, chunk_bytes, algo, specs, sums)
+    hdr[:] = np.frombuffer(encode_header(header), dtype=np.uint8)
+    if on_sealed is not None:
+        on_sealed(header)
+    return header
 
 
 def _checksum_pool(cfg: PipelineConfig, sess: IoSession) -> Executor | None:
@@ -139,14 +190,6 @@ def _checksum_pool(cfg: PipelineConfig, sess: IoSession) -> Executor | None:
     the pool; with an asynchronous one (NIXL) they run here, polling the queue between chunks (NIXL's
     POSIX queue only advances when polled), which costs no thread hand-off."""
     return cfg.checksum_pool if sess.synchronous else None
-
-
-def _spawn(pool: Executor | None, fn, *args, between=None):
-    return fn(*args, between=between) if pool is None else pool.submit(fn, *args)
-
-
-def _result(job):
-    return job.result() if isinstance(job, Future) else job
 
 
 def _poller(sess: IoSession, inflight: deque):
@@ -165,58 +208,52 @@ def _drain(sess: IoSession, inflight: deque) -> None:
             pass
 
 
-def _staged_header(sess: IoSession, header: FileHeader, live: Sequence[bool] | None = None) -> np.ndarray:
-    hdr = sess.staging("header", header.header_bytes)
-    hdr[:] = np.frombuffer(encode_header(header, live), dtype=np.uint8)
-    return hdr
-
-
 def _zero_header(sess: IoSession, header_bytes: int) -> np.ndarray:
-    """Placeholder for the header block, written with the first piece: on ext4/XFS an O_DIRECT write
-    into an unallocated or unwritten block needs a journalled extent change (~0.2-1 ms on the reference
-    VM), an overwrite of a written block does not; and zeros fail the magic check if we crash. The
-    staging buffer is zero-filled when allocated and never written."""
+    """Placeholder for the header block, written with the payload: on ext4/XFS an O_DIRECT write into
+    an unwritten (preallocated) block needs a journalled extent change at completion, which beside
+    the payload's own conversion now and then waits for a journal commit (+3 ms in about one write
+    of five on the reference VM); an overwrite of a written block does not. So the real header is
+    written after the payload, over these zeros. The staging buffer is zero-filled when allocated
+    and never written."""
     return sess.staging("zero_header", header_bytes)
 
 
 def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray],
-                cfg: PipelineConfig) -> FileHeader:
-    """Fill the new file `f` (sized for `specs`) with every item's payload and the header; returns it."""
+                cfg: PipelineConfig, header_bytes: int | None = None,
+                on_sealed: Callable[[FileHeader], None] | None = None) -> FileHeader:
+    """Fill the new file `f` (sized for `specs`) with every item's payload and the header; returns it.
+    `header_bytes`, when the caller already sized the file, saves computing it again. `on_sealed(header)`
+    runs once the header is known, beside the payload's I/O when the file is large enough to pipeline
+    (on the checksum pool, or in this thread between polls): the caller's own per-item work for after
+    the write (index records, results) costs no time on the critical path there."""
     chunk_bytes, algo = cfg.chunk_bytes, cfg.checksum_algo
-    header_bytes = header_bytes_for(specs, chunk_bytes)
-    offsets = item_offsets(specs, header_bytes)
-    seeds = [item_seed(s.key, seq) for s in specs]
+    header_bytes = header_bytes or header_bytes_for(specs, chunk_bytes)
     step = _step(cfg, chunk_bytes)
-    pieces = _plan_pieces([s.payload_bytes for s in specs], step)
-    sums: list[list[int]] = [[] for _ in specs]
-    if sum(s.payload_bytes for s in specs) <= min(step, SINGLE_CALL_MAX_BYTES):
+    offsets = item_offsets(specs, header_bytes)
+    addrs = None if _in_place(f, hosts) else _addresses(f, hosts)
+    whole = _Piece(_whole_items(hosts))
+    hdr = sess.staging("header", header_bytes)
+    if sum(h.size for h in hosts) <= min(step, SINGLE_CALL_MAX_BYTES):
         # small file: checksums first, then one vectored call for header + payloads (cheaper than a
         # second I/O for the header)
-        for piece in pieces:
-            for slot, part in _piece_checksums(piece, hosts, chunk_bytes, algo, seeds):
-                sums[slot] += part
-        header = build_header(seq, chunk_bytes, algo, specs, sums)
-        segments = [(0, _staged_header(sess, header))]
-        addrs = _addresses(f, hosts)
-        for piece in pieces:
-            _map_piece(sess, piece, hosts, addrs, offsets, 0, True)
-            segments += piece.segments
-        sess.run(f, "WRITE", segments)
+        header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed)
+        _map_piece(sess, whole, hosts, addrs, offsets, 0, True)
+        sess.run(f, "WRITE", [(0, hdr)] + whole.segments)
         return header
     # The I/O: the whole payload in one vectored call when staging stays small (aligned sources, or
     # buffered I/O): one syscall, or one transfer to post; otherwise piece by piece, at most
-    # `max_inflight` in flight (they share the staging slots). Checksums go piece by piece meanwhile.
-    addrs = _addresses(f, hosts)
-    all_ranges = [r for p in pieces for r in p.ranges]
-    io_pieces = [_Piece(all_ranges)] if _bounce_bytes(all_ranges, addrs) <= step else pieces
+    # `max_inflight` in flight (they share the staging slots). Checksums and the header meanwhile.
+    if _bounce_bytes(whole.ranges, addrs) <= step:
+        io_pieces = [whole]
+    else:
+        io_pieces = _plan_pieces([h.size for h in hosts], step, chunk_bytes)
     inflight: deque[_Piece] = deque()
-    between = _poller(sess, inflight)
     posted = 0
 
     def prepare(k: int) -> _Piece:
         piece = io_pieces[k]
         _map_piece(sess, piece, hosts, addrs, offsets, k % cfg.max_inflight, True)
-        if k == 0:  # zeros now (an invalid header) so the real one later rewrites allocated blocks
+        if k == 0:  # zeros now (an invalid header), so the real one later rewrites a written block
             piece.segments.insert(0, (0, _zero_header(sess, header_bytes)))
         return piece
 
@@ -228,64 +265,62 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
         posted += 1
 
     pool = _checksum_pool(cfg, sess)
+    job = None
     try:
         first = prepare(0)  # before the pool starts: its Python would compete for the GIL
-        # with a pool, every piece's checksum starts now, beside the I/O that runs in this thread
-        jobs = [pool.submit(_piece_checksums, p, hosts, chunk_bytes, algo, seeds) for p in pieces] if pool else []
+        if pool is not None:  # checksums and header on the pool, beside the payload's I/O in this thread
+            job = pool.submit(_seal_into, hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed)
         post(first)
         while posted < len(io_pieces) and len(inflight) < cfg.max_inflight:
             post()
-        for piece in pieces:
-            if pool is None:  # here, while the disk writes, polling the queue between chunks
-                jobs.append(_piece_checksums(piece, hosts, chunk_bytes, algo, seeds, between))
+        sums: list[list[int]] = [[] for _ in specs] if job is None else []
+        seeds = [item_seed(s.key, seq) for s in specs] if job is None else []
+        between = _poller(sess, inflight)
+        for piece in io_pieces:
+            if job is None:  # here, while the disk writes, polling the queue between chunks
+                _checksum_ranges(piece.ranges, hosts, chunk_bytes, algo, seeds, sums, between)
             if posted < len(io_pieces):
                 sess.wait(inflight.popleft().token)
                 post()
-        for job in jobs:
-            for slot, part in _result(job):
-                sums[slot] += part
-        header = build_header(seq, chunk_bytes, algo, specs, sums)
-        hdr = _staged_header(sess, header)
+        if job is None:
+            header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, sums, on_sealed)
         while inflight:
             sess.wait(inflight.popleft().token)
+        if job is not None:
+            header = job.result()
     finally:
         _drain(sess, inflight)
+        if job is not None:
+            futures_wait([job])  # it writes into `hdr` and runs on_sealed: done before anything else
     sess.run(f, "WRITE", [(0, hdr)])
     return header
 
 
-def _verify(out: np.ndarray, r: _Range, header: FileHeader, index: int, between=None) -> None:
-    item = header.items[index]
-    cb = header.chunk_bytes
-    seed = item_seed(item.key, header.seq)
-    for i in range(r.start, r.stop, cb):
-        try:
-            found = chunk_checksum(out[i: min(i + cb, r.stop)], header.checksum_algo, chunk_seed(seed, i // cb))
-        except FormatError as exc:
-            raise IoFault(Fault.CORRUPT, f"{item.key!r}: {exc}") from None
-        if found != item.chunk_checksums[i // cb]:
-            raise IoFault(Fault.CORRUPT, f"payload checksum mismatch in chunk {i // cb} of {item.key!r}")
-        if between is not None:
-            between()
-
-
-def _verify_piece(piece: _Piece, outs, header: FileHeader, indices, between=None) -> list[tuple[int, IoFault]]:
+def _verify_piece(piece: _Piece, outs: Sequence[np.ndarray], header: FileHeader, indices: Sequence[int],
+                  between=None) -> list[tuple[int, IoFault]]:
     """Checksum every range of a piece; the faults found, per slot (an item's fault fails that item only)."""
     faults = []
-    for r in piece.ranges:
-        try:
-            _verify(outs[r.slot], r, header, indices[r.slot], between)
-        except IoFault as fault:
-            faults.append((r.slot, fault))
+    cb, algo, seeds = header.chunk_bytes, header.checksum_algo, header.item_seeds
+    for slot, start, stop in piece.ranges:
+        index, out = indices[slot], outs[slot]
+        expected, seed = header.items[index].chunk_checksums, seeds[index]
+        for i in range(start, stop, cb):
+            try:
+                found = chunk_checksum(out[i: min(i + cb, stop)], algo, chunk_seed(seed, i // cb))
+            except FormatError as exc:
+                faults.append((slot, IoFault(Fault.CORRUPT, f"{header.items[index].key!r}: {exc}")))
+                break
+            if found != expected[i // cb]:
+                faults.append((slot, IoFault(Fault.CORRUPT, f"payload checksum mismatch in chunk {i // cb} of "
+                                                            f"{header.items[index].key!r}")))
+                break
+            if between is not None:
+                between()
     return faults
 
 
 def _check_header(buf: np.ndarray, expected: FileHeader, label: str) -> None:
-    try:
-        found, _live = decode_header(buf)
-    except FormatError as exc:
-        raise IoFault(Fault.CORRUPT, f"{label}: {exc}") from None
-    if found != expected:
+    if not header_matches(buf, expected):
         raise IoFault(Fault.CORRUPT, f"{label}: header differs from the index")
 
 
@@ -297,10 +332,11 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
     if f.size_bytes != header.file_bytes:
         fault = Fault.SHORT_FILE if f.size_bytes < header.file_bytes else Fault.CORRUPT
         raise IoFault(fault, f"{f.path} holds {f.size_bytes} bytes, its header needs {header.file_bytes}")
-    offsets = [header.items[i].offset for i in indices]
-    pieces = _plan_pieces([header.items[i].payload_bytes for i in indices], _step(cfg, header.chunk_bytes))
+    items, cb = header.items, header.chunk_bytes
+    offsets = [items[i].offset for i in indices]
+    pieces = _plan_pieces([items[i].payload_bytes for i in indices], _step(cfg, cb), cb, tail_bytes=cb)
     hdr = sess.staging("header", header.header_bytes) if verify_header else None
-    addrs = _addresses(f, outs)
+    addrs = None if _in_place(f, outs) else _addresses(f, outs)
     results: list[IoFault | None] = [None] * len(indices)
     if len(pieces) <= 1:  # small read: one vectored call
         segments = [(0, hdr)] if hdr is not None else []
@@ -321,16 +357,25 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
     inflight: deque[_Piece] = deque()
     between = _poller(sess, inflight)
     checks = []
+    premapped = addrs is None or not _bounce_bytes([r for p in pieces for r in p.ranges], addrs)
+    if premapped:  # no staging slot to reuse: map every piece now, not between two reads
+        for piece in pieces:
+            _map_piece(sess, piece, outs, addrs, offsets, 0, False)
 
     def post() -> None:
         k, piece = pending.popleft()
-        _map_piece(sess, piece, outs, addrs, offsets, k % cfg.max_inflight, False)
+        if not premapped:
+            _map_piece(sess, piece, outs, addrs, offsets, k % cfg.max_inflight, False)
         segments = ([(0, hdr)] if (k == 0 and hdr is not None) else []) + piece.segments
         piece.token = sess.submit(f, "READ", segments)
         inflight.append(piece)
 
-    window = 1 if sess.synchronous else cfg.max_inflight  # a synchronous session reads while the pool verifies
-    pool = _checksum_pool(cfg, sess)
+    # A synchronous session reads piece k+1 in this thread while the pool verifies piece k. An
+    # asynchronous one keeps `max_inflight` pieces posted and verifies here between polls; when the
+    # next piece has landed too (posted pieces tend to complete together), the idle pool takes this
+    # one, so the two threads share what is left to verify.
+    window = 1 if sess.synchronous else cfg.max_inflight
+    pool, pool_job = cfg.checksum_pool, None
     try:
         while pending and len(inflight) < window:
             post()
@@ -343,16 +388,23 @@ def read_items(sess: IoSession, f: OpenFile, header: FileHeader, indices: Sequen
             first = False
             for staged, dest in piece.copy_back:  # before its bounce slot is posted again
                 dest[:] = staged
-            # verify piece k while the disk reads the next ones (in the pool, or here between polls); a
-            # synchronous session reads in this thread, so the pool gets its job first
             if pending and not sess.synchronous:
                 post()
-            checks.append(_spawn(pool, _verify_piece, piece, outs, header, indices, between=between))
+            if sess.synchronous:
+                beside = pool is not None and bool(pending)  # not the last: the pool's, before this thread reads on
+            else:
+                beside = (pool is not None and inflight and (pool_job is None or pool_job.done())
+                          and sess.poll(inflight[0].token))
+            if beside:
+                pool_job = pool.submit(_verify_piece, piece, outs, header, indices)
+                checks.append(pool_job)
+            else:
+                checks.append(_verify_piece(piece, outs, header, indices, between))
             if pending and sess.synchronous:
                 post()
     finally:
         _drain(sess, inflight)
     for job in checks:
-        for slot, fault in _result(job):
+        for slot, fault in (job if isinstance(job, list) else job.result()):
             results[slot] = results[slot] or fault
     return results
