@@ -80,6 +80,13 @@ def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: flo
     num_pages = end_pages - start_pages
     uniform = 1.0 - sum(near_end_probs)
     one = pressure_ratio * checkpoint_pages_equiv  # C_mem of one checkpoint
+    # A checkpoint at end - k serves at most the near-end mass of offsets 1..k, each at most the segment
+    # away from the checkpoint before it: offsets whose bound cannot pay for a checkpoint are never chosen.
+    reach, useful = 0.0, []
+    for k, prob in enumerate(near_end_probs, start=1):
+        reach += prob
+        if prob > 0 and reach * num_pages > one and start_pages < end_pages - k:
+            useful.append(end_pages - k)
     best_cost, best_plan = math.inf, []
     for interval in sorted(supported, reverse=True):
         grid = list(range(start_pages + interval, end_pages, interval))
@@ -87,8 +94,7 @@ def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: flo
         cost = one * len(grid) + uniform * recompute_cost_pages(num_pages, interval)
         if near_end_probs:
             cost += near_end_recompute_pages(end_pages, near_end_probs, chosen)
-            candidates = {end_pages - k for k, prob in enumerate(near_end_probs, start=1)
-                          if prob > 0 and start_pages < end_pages - k} - set(grid)
+            candidates = set(useful) - set(grid)
             while candidates:
                 trial = min(((one + cost - near_end_recompute_pages(end_pages, near_end_probs, chosen)
                               + near_end_recompute_pages(end_pages, near_end_probs, sorted(chosen + [c])), c)

@@ -155,8 +155,9 @@ def hit_share(node: Node, unit: UnitKind, terminal_prob: float, near_end_probs: 
     if not node.children:  # terminal checkpoint whose KV lives in another tier
         return terminal_prob
     span_pages = sum(pages_until_checkpoint(c) for c in node.children.values())
-    share = (1.0 - sum(near_end_probs)) * span_pages / (node.depth_pages + span_pages)
-    if near_end_probs:
+    near = sum(near_end_probs)
+    share = (1.0 - near) * span_pages / (node.depth_pages + span_pages)
+    if near > 1e-9:  # nothing learned yet: skip the walk (it would add 0)
         share += served_near_end_mass(node, near_end_probs, near_end_stride)
     return (1.0 - terminal_prob) * share
 
