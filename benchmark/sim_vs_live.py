@@ -7,7 +7,9 @@ absent). The simulator then replays the same scaled workload, calibrated to that
   * prefill latency: a profile measured from the server over HTTP (`histate bench --calibrate`);
   * decode: the measured time per decode step as the engine's per-step cost;
   * one request at a time (`EngineConfig(max_running_requests=1)`), one chunk per prefill, as the
-    server runs them; the same byte budgets per tier, the same admission (seed, live sessions).
+    server runs them; the same byte budgets per tier, the same admission (seed, live sessions);
+  * no output caching (`caches_outputs=False`): the server decodes its own greedy tokens, which the
+    next prompt (built from the trace's hash ids) never contains.
 Policy "none" is simulated as vllm-marconi with an empty GPU pool (nothing can be reused).
 
     .venv/bin/python benchmark/sim_vs_live.py                     # ~15 min on the 2-core CI box
@@ -130,7 +132,8 @@ def run_sim(workload, args, calibration: Path) -> dict:
     step_s = decode_step_s(calibration) * args.slowdown
     if args.slowdown != 1:  # a uniformly slower server (e.g. a loaded machine): every latency x slowdown
         profile = PrefillProfile.fit([(n, ctx, s * args.slowdown) for n, ctx, s in profile.points], str(calibration))
-    config = replace(admission(args), engine=EngineConfig(token_budget_per_step=1 << 30, max_running_requests=1),
+    config = replace(admission(args), engine=EngineConfig(token_budget_per_step=1 << 30, max_running_requests=1,
+                                                                   caches_outputs=False),
                      step_cost=CalibratedStepCost(get_model(MODEL), get_hardware("h100"), profile, step_overhead_s=step_s))
     print(f"calibration: {profile.num_points} points, fit max relative error {profile.max_relative_error:.1%}, "
           f"decode step {step_s * 1e3:.1f} ms")

@@ -124,7 +124,9 @@ class CacheGate(MemoryGate):
         self._serving(uid)
         held = self.held.pop(uid)
         request = held.request
-        kv_tokens = request.input_num_tokens + max(0, request.output_num_tokens - 1)  # the last token has no KV
+        kv_tokens = request.input_num_tokens
+        if self.profile.engine.caches_outputs:
+            kv_tokens += max(0, request.output_num_tokens - 1)  # the last token has no KV
         self._insert(held, request.input_num_tokens, kv_tokens, step_end_tokens, now_s)
 
     # --- MemoryGate ----------------------------------------------------------------------------------

@@ -75,6 +75,9 @@ class EngineConfig:
     io_unit_bytes: int = 64 * 2**20       # background transfer granularity (non-preemptible)
     chunk_rule: str = "none"              # "vllm": align-mode step ends (module docstring)
     block_num_tokens: int = 1             # the "vllm" rule's block
+    caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
+    #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
+    #   prompts come from the trace's hash ids), so nothing past the prompt can be reused there
 
     def __post_init__(self) -> None:
         if (self.token_budget_per_step < 1 or self.max_running_requests < 1 or self.io_unit_bytes < 1
