@@ -140,6 +140,7 @@ def plot(results: dict, out: Path) -> None:
             ys = [results[r]["policies"][p][metric][0] / results[r]["policies"]["histate"][metric][0] for r in rows]
             ax.bar([i + k * width for i in range(len(rows))], ys, width, label=p)
         ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")  # vllm-marconi / marconi sit at 10-60x; the ratios that matter are near 1
         ax.set_xticks([i + 0.4 for i in range(len(rows))], rows, rotation=30, fontsize=8)
         ax.set_title(title + " (median over seeds; > 1: histate faster)", fontsize=9)
     axes[1].legend(fontsize=6, ncol=2)

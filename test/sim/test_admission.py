@@ -167,6 +167,7 @@ def _turns(sid, pages, outs):
 
 @pytest.mark.parametrize("policy, reused_pages", [
     ("unlimited", 25),       # every full page of KV: 640 + 999 tokens (the last token has none)
+    ("histate", 25),         # --enable-histate tracks decode states on the 64-token grid: page 25
     ("sglang-hicache", 24),  # the last 256-token decode state: 1536 tokens
     ("vllm-marconi", 18),    # the last 576-token block boundary decode crossed: 1152 tokens
     ("marconi", 25),         # the state after the last decoded token
@@ -177,6 +178,17 @@ def test_a_later_turn_reuses_the_previous_output_as_each_engine_cached_it(policy
     run_ = replay(w, policy, ReplayConfig(gpu_cache_bytes=4 * GiB, cpu_cache_bytes=4 * GiB, ssd_cache_bytes=4 * GiB))
     second = max(run_.records, key=lambda r: r.arrival_s)
     assert second.reused_tokens == reused_pages * P
+
+
+@pytest.mark.parametrize("policy", ["unlimited", "histate", "sglang-hicache", "vllm-marconi"])
+def test_an_engine_that_caches_no_output_reuses_only_the_previous_prompt(policy):
+    """`histate serve` decodes its own tokens, which the next (trace-built) prompt never contains."""
+    session = _turns("s", [10, 30], [1000, 10])
+    w = Workload("t", [session], WorkloadStats(sessions=1, requests=2))
+    config = ReplayConfig(gpu_cache_bytes=4 * GiB, cpu_cache_bytes=4 * GiB, ssd_cache_bytes=4 * GiB,
+                          engine=EngineConfig(caches_outputs=False))
+    second = max(replay(w, policy, config).records, key=lambda r: r.arrival_s)
+    assert second.reused_tokens == (9 if policy == "vllm-marconi" else 10) * P
 
 
 def test_request_keys_through_the_output_are_deterministic_and_private_where_unknown():
