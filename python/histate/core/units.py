@@ -78,8 +78,10 @@ def last_access_s(node: Node, unit: UnitKind, bit: int) -> float:
 def checkpoint_neighbours(node: Node):
     """The nodes whose units a checkpoint appearing at `node` can make cheaper to lose (paper §3.3:
     affected costs are updated without touching timestamps): `node`, its ancestors up to and including
-    the previous checkpoint (their span now stops at `node`), and its children (their gap now starts
-    at `node`). A victim heap re-offers them (victims.reoffer)."""
+    the previous checkpoint (their span now stops at `node`), and every descendant down to and
+    including the next checkpoint on each branch (their gap now starts at `node`; a checkpoint-less
+    child is passed through, the checkpointed node below it is affected too). A victim heap re-offers
+    them (victims.reoffer): the lazy heaps stay exact only if every unit whose score can fall is."""
     yield node
     parent = node.parent
     while parent.parent is not None:
@@ -87,7 +89,12 @@ def checkpoint_neighbours(node: Node):
         if parent.ckpt_mask:
             break
         parent = parent.parent
-    yield from node.children.values()
+    below = list(node.children.values())
+    while below:
+        child = below.pop()
+        yield child
+        if not child.ckpt_mask:
+            below.extend(child.children.values())
 
 
 def checkpoint_at_or_above(node: Node):
