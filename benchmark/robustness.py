@@ -132,6 +132,8 @@ def plot(results: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = list(results)
+    if len(results[rows[0]]["policies"]) < 2:
+        return  # one policy (e.g. a histate-only sweep): nothing to compare against
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, metric, title in ((axes[0], "ttft_p95_s", "p95 TTFT / histate's"), (axes[1], "ttft_p99_s", "p99 TTFT / histate's")):
         policies = [p for p in results[rows[0]]["policies"] if p != "histate"]
