@@ -22,8 +22,9 @@ DEFAULT_INTERVALS_TOKENS = tuple(p * STATE_GRID_TOKENS for p in DEFAULT_INTERVAL
 
 DEFAULT_TAU_S = 60.0
 """Eq. 7 time scale: seconds of recency one unit of recompute-per-byte is worth. The paper gives no
-value; 60 s was best or tied in a sweep (15/60/120/600/3600 s) on three workload settings
-(docs/results.md) and matches agent turn gaps."""
+value; 60 s was best or tied in a sweep (15/60/120/600/3600 s) on three workload settings, and ties
+600 s on the whole issue-11 robustness table (geometric-mean p95 ratio 0.99, p99 1.02; docs/results.md,
+"τ on the whole table") since eq. 7 charges a demotion its transfer; it matches agent turn gaps."""
 
 DEFAULT_EMA_ALPHA = 0.1
 """Weight of a new observation in the residence-time and terminal-hit EMAs."""
