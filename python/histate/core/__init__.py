@@ -14,7 +14,7 @@ from .scoring import ScoringContext
 from .stats import CacheStats
 from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, ConfigError, HiStateError,
                     InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind)
-from .units import checkpoint_at_or_above, checkpoint_neighbours, units_of
+from .units import checkpoint_at_or_above, checkpoint_neighbours, checkpoints_above_removed_leaf, units_of
 from .victims import VictimHeap, reoffer
 
 __all__ = [
@@ -24,6 +24,6 @@ __all__ = [
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MatchResult", "Policy", "PolicyState",
     "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS", "ScoringContext", "Tier", "TierOp",
     "UnitKind", "VictimHeap", "available_policies", "checkpoint_at_or_above", "checkpoint_neighbours",
-    "choose_interval_pages", "continuous_optimum_pages", "make_cache", "make_policy", "recompute_cost_pages",
+    "checkpoints_above_removed_leaf", "choose_interval_pages", "continuous_optimum_pages", "make_cache", "make_policy", "recompute_cost_pages",
     "register_policy", "reoffer", "units_of",
 ]

@@ -10,8 +10,9 @@ changing last-access timestamps"). A heap entry only has to stay a lower bound o
 so only changes that can *lower* a score need a re-offer:
   * a node whose units changed (a copy left a tier; a parent became a tier leaf; a merge): at once,
     so nothing escapes eviction (I7) and no stale unit is ever evicted;
-  * the nearest checkpoint above a removed leaf: its span, and with it C, shrinks. This is the only
-    neighbour re-rank eviction needs, and it is deferred to the end of the `make_room` pass (batch
+  * the nearest checkpoint above a removed leaf: its span, and with it C, shrinks (and, with a learned
+    near-end prior, the checkpoints above it that served the removed trajectory's near-end positions,
+    `units.checkpoints_above_removed_leaf`). This is the only neighbour re-rank eviction needs, and it is deferred to the end of the `make_room` pass (batch
     eviction: one request's evictions re-rank each affected checkpoint once, not once per unit). The
     one approximation this allows: within the pass that checkpoint keeps its higher old score, so it
     can leave a pass later than exact eq. 7 would have it leave (docs/design.md, "Victim heaps");
@@ -34,7 +35,7 @@ from .placement import TierPlan
 from .policy_state import PolicyState
 from .tree import Node, RadixTree
 from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
-from .units import checkpoint_at_or_above, checkpoint_neighbours, is_tier_leaf, units_of
+from .units import checkpoint_neighbours, checkpoints_above_removed_leaf, is_tier_leaf, units_of
 from .victims import VictimHeap, reoffer
 
 _COMPACT_FACTOR = 4  # rebuild the heaps once stale entries outnumber live ones this many times
@@ -70,16 +71,17 @@ class Evictor:
     def _heap_for(self, unit: UnitKind, tier_index: int) -> VictimHeap:
         return self._heap_of[unit, tier_index]
 
-    def _rerank_checkpoint_above(self, node: Node) -> None:
-        """`node`'s subtree shrank: the nearest checkpoint at or above it spans fewer pages, so its C
-        dropped. Deferred while a `make_room` pass runs."""
-        node = checkpoint_at_or_above(node)
-        if node is None:
-            return
-        if self._pass_depth:
-            self._deferred[id(node)] = node
-        else:
-            self.touch(node)
+    def _rerank_checkpoints_above(self, node: Node, removed_end: int) -> None:
+        """A leaf ending at `removed_end` left `node`'s subtree: the checkpoints above whose C dropped
+        (`units.checkpoints_above_removed_leaf`; `node` itself was just re-offered). Deferred while a
+        `make_room` pass runs."""
+        for above in checkpoints_above_removed_leaf(node, removed_end, self.state.near_end_reach_units):
+            if above is node:
+                continue
+            if self._pass_depth:
+                self._deferred[id(above)] = above
+            else:
+                self.touch(above)
 
     def _flush_deferred(self) -> bool:
         """Re-offer the nodes deferred during the pass; True if there were any."""
@@ -213,12 +215,11 @@ class Evictor:
         self.book.drop_all(node)
         if had_checkpoint:
             self.state.on_state_gone(node, now_s)
-        parent = node.parent
+        parent, removed_end = node.parent, node.depth_pages
         self.tree.remove_leaf(node)
         if parent.parent is not None:
             self.touch(parent)  # may be a tier leaf now: a new unit
-            if not parent.ckpt_mask:
-                self._rerank_checkpoint_above(parent)
+            self._rerank_checkpoints_above(parent, removed_end)
             if merge:
                 self.maybe_merge(parent)
 

@@ -85,6 +85,13 @@ class PolicyState:
     # --- what a hit teaches ------------------------------------------------------------------------
 
     @property
+    def near_end_reach_units(self) -> int:
+        """How far above a trajectory's end (node units) its near-end positions can lie, once any
+        near-end mass is learned; 0 before (the paper's rule has no such positions)."""
+        probs = self._ctx.near_end_probs
+        return (len(probs) + 1) * self.near_end_stride if sum(probs) > 1e-9 else 0
+
+    @property
     def near_end_probs(self) -> tuple:
         """p'_k for k = 1..window (empty for policies with the paper's uniform interior prior)."""
         return self._ctx.near_end_probs

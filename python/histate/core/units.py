@@ -97,6 +97,21 @@ def checkpoint_neighbours(node: Node):
             below.extend(child.children.values())
 
 
+def checkpoints_above_removed_leaf(node: Node, removed_end: int, reach: int):
+    """The checkpointed nodes at or above `node` whose C can fall when a leaf ending at depth
+    `removed_end` (node units) leaves `node`'s subtree: the nearest one (its span shrinks) and, with a
+    learned near-end prior reaching `reach` units before a trajectory's end (0 without one), every one
+    above it that served a near-end position of the removed trajectory -- up to and including the first
+    at or above `removed_end - reach` (`served_near_end_mass`). A victim heap re-offers them."""
+    top = removed_end - reach
+    while node.parent is not None:
+        if node.ckpt_mask:
+            yield node
+            if node.depth_pages <= top:
+                return
+        node = node.parent
+
+
 def checkpoint_at_or_above(node: Node):
     """The nearest node at or above `node` holding a checkpoint, or None. Its span, and with it its C,
     shrinks when `node`'s subtree loses a leaf."""

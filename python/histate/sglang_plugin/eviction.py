@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SSD_BIT, PolicyState, Tier, UnitKind, VictimHeap,
-                          checkpoint_at_or_above, checkpoint_neighbours, reoffer, units_of)
+                          checkpoint_neighbours, checkpoints_above_removed_leaf, reoffer, units_of)
 
 from .core_nodes import MAMBA, CoreNode, core_of
 
@@ -99,18 +99,11 @@ class TierVictims:
             self.touch(node)
 
     def touch_checkpoint_neighbourhood(self, node: CoreNode) -> None:
-        """The core's re-offer after a new checkpoint (`checkpoint_neighbours`), where one core node may
-        be a chain of SGLang nodes: SGLang splits an edge wherever a match or an insert ends and never
-        merges, so below each child the chain of checkpoint-less single-child nodes (one node in the
-        core's merged tree) is re-offered too."""
+        """The core's re-offer after a new checkpoint (`checkpoint_neighbours`: it passes through the
+        checkpoint-less nodes below down to the next checkpoint, which also covers SGLang's unmerged
+        chains of single-child nodes)."""
         for neighbour in checkpoint_neighbours(node):
             self.touch(neighbour)
-            if neighbour.sg.parent is node.sg:
-                chain = neighbour
-                while not chain.ckpt_mask and len(chain.sg.children) == 1:
-                    (child,) = chain.sg.children.values()
-                    chain = core_of(child)
-                    self.touch(chain)
 
     def on_removed(self, node: CoreNode) -> None:
         """SGLang unlinked `node`: its entries are stale; its parent may be a leaf now (the core's
@@ -119,10 +112,12 @@ class TierVictims:
         node.is_alive = False
         node.version += 1
         parent = node.sg.parent
-        if parent is not None and parent.parent is not None:
+        if parent is None:
+            return
+        if parent.parent is not None:
             self.touch(core_of(parent))
-        above = checkpoint_at_or_above(core_of(parent)) if parent is not None else None
-        if above is not None:
+        reach = self.state.near_end_reach_units
+        for above in checkpoints_above_removed_leaf(core_of(parent), node.depth_pages, reach):
             if self._walk_depth:
                 self._deferred[id(above)] = above
             else:

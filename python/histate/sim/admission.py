@@ -183,6 +183,8 @@ class CacheGate(MemoryGate):
         self._serving(request_id)
         held = self.held[request_id]
         self.stats.preemptions += 1
+        if not self.profile.engine.caches_outputs:
+            num_computed_tokens = min(num_computed_tokens, held.request.input_num_tokens)
         self._insert(held, held.request.input_num_tokens, num_computed_tokens, step_end_tokens, now_s)
 
     # --- internals -----------------------------------------------------------------------------------
