@@ -24,6 +24,6 @@ __all__ = [
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MatchResult", "Policy", "PolicyState",
     "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS", "ScoringContext", "Tier", "TierOp",
     "UnitKind", "VictimHeap", "available_policies", "checkpoint_at_or_above", "checkpoint_neighbours",
-    "checkpoints_above_removed_leaf", "choose_interval_pages", "continuous_optimum_pages", "make_cache", "make_policy", "recompute_cost_pages",
-    "register_policy", "reoffer", "units_of",
+    "checkpoints_above_removed_leaf", "choose_interval_pages", "continuous_optimum_pages", "make_cache",
+    "make_policy", "recompute_cost_pages", "register_policy", "reoffer", "units_of",
 ]

@@ -12,10 +12,11 @@ so only changes that can *lower* a score need a re-offer:
     so nothing escapes eviction (I7) and no stale unit is ever evicted;
   * the nearest checkpoint above a removed leaf: its span, and with it C, shrinks (and, with a learned
     near-end prior, the checkpoints above it that served the removed trajectory's near-end positions,
-    `units.checkpoints_above_removed_leaf`). This is the only neighbour re-rank eviction needs, and it is deferred to the end of the `make_room` pass (batch
-    eviction: one request's evictions re-rank each affected checkpoint once, not once per unit). The
-    one approximation this allows: within the pass that checkpoint keeps its higher old score, so it
-    can leave a pass later than exact eq. 7 would have it leave (docs/design.md, "Victim heaps");
+    `units.checkpoints_above_removed_leaf`). This is the only neighbour re-rank eviction needs, and it
+    is deferred to the end of the `make_room` pass (batch eviction: one request's evictions re-rank
+    each affected checkpoint once, not once per unit). The one approximation this allows: within the
+    pass that checkpoint keeps its higher old score, so it can leave a pass later than exact eq. 7
+    would have it leave (docs/design.md, "Victim heaps");
   * a checkpoint that vanishes only *raises* its neighbours' C (longer gap below, longer span above),
     so their entries stay valid lower bounds and are re-scored when they reach the top.
 New checkpoints lower their neighbours' costs; `touch_checkpoint_neighbourhood` re-offers them.
