@@ -114,10 +114,13 @@ class TierVictims:
         parent = node.sg.parent
         if parent is None:
             return
+        parent_core = core_of(parent)
         if parent.parent is not None:
-            self.touch(core_of(parent))
+            self.touch(parent_core)
         reach = self.state.near_end_reach_units
-        for above in checkpoints_above_removed_leaf(core_of(parent), node.depth_pages, reach):
+        for above in checkpoints_above_removed_leaf(parent_core, node.depth_pages, reach):
+            if above is parent_core:  # re-offered just above (as the core's `_rerank_checkpoints_above`)
+                continue
             if self._walk_depth:
                 self._deferred[id(above)] = above
             else:

@@ -124,9 +124,7 @@ class CacheGate(MemoryGate):
         self._serving(uid)
         held = self.held.pop(uid)
         request = held.request
-        kv_tokens = request.input_num_tokens
-        if self.profile.engine.caches_outputs:
-            kv_tokens += max(0, request.output_num_tokens - 1)  # the last token has no KV
+        kv_tokens = request.input_num_tokens + max(0, request.output_num_tokens - 1)  # the last token has no KV
         self._insert(held, request.input_num_tokens, kv_tokens, step_end_tokens, now_s)
 
     # --- MemoryGate ----------------------------------------------------------------------------------
@@ -183,8 +181,6 @@ class CacheGate(MemoryGate):
         self._serving(request_id)
         held = self.held[request_id]
         self.stats.preemptions += 1
-        if not self.profile.engine.caches_outputs:
-            num_computed_tokens = min(num_computed_tokens, held.request.input_num_tokens)
         self._insert(held, held.request.input_num_tokens, num_computed_tokens, step_end_tokens, now_s)
 
     # --- internals -----------------------------------------------------------------------------------
@@ -242,6 +238,8 @@ class CacheGate(MemoryGate):
         """Give back the request's memory, then offer the cache its first `kv_tokens` tokens of
         prompt + output with the states the engine keeps; the lease closes."""
         cache, P = self.cache, self.page_num_tokens
+        if not self.profile.engine.caches_outputs:  # `histate serve`: nothing past the prompt is cached
+            kv_tokens = min(kv_tokens, prompt_tokens)
         if held.kv_bytes:
             cache.release(held.kv_bytes, Tier.GPU, ItemKind.KV)
         if held.state_bytes:
