@@ -17,6 +17,7 @@ from .sim.replay import DEFAULT_STAGGER_S, SESSION_SAMPLINGS
 from .sim.traces import MAX_INPUT_NUM_TOKENS
 
 GiB = 2**30
+STDIN = Path("/dev/stdin")  # `--trace -`
 DEFAULT_SIM_MODEL = "qwen3.5-9b"
 NONE = "none"  # --max-gap none / --max-sessions all: override a preset's value with "no limit"
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = r.add_argument_group("workload")
     given = src.add_mutually_exclusive_group()
     given.add_argument("--trace", type=Path, help="trace file, directory or pipe (Weka cc-traces JSONL(.gz), "
-                                                  "TraceLab, Mooncake)")
+                                                  "TraceLab, Mooncake); '-' reads standard input")
     given.add_argument("--synthetic", choices=("agent", "mutation"),
                        help="synthetic workload instead of --trace: agent (default) or the paper's mutation microbenchmark")
     src.add_argument("--format", choices=("weka", "tracelab", "mooncake"), default="weka", help="trace format (default weka)")
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"release the first wave of live sessions one every this many seconds instead of all "
                           f"at t = 0 ({DEFAULT_STAGGER_S:g})")
     src.add_argument("--seed", type=int, default=0, help="seed of the admission order and synthetic workloads (0)")
+    src.add_argument("--token-scale", type=_token_scale, default=1.0,
+                     help="1/k: merge every k pages of a request into one, outputs scale too (0.0625: 16 pages -> 1; "
+                          "the same workload for histate replay and histate bench, docs/bench.md) (1)")
     sim = r.add_argument_group("system (defaults: the paper's setup, Qwen3.5-9B on one H100, §4.1)")
     sim.add_argument("--policies", type=_policies, default=available_policies(), help="comma-separated policies (default: all)")
     sim.add_argument("--model", default=DEFAULT_SIM_MODEL, help="qwen3.5-9b | qwen3-next-80b-a3b | tiny-qwen3.5")
@@ -144,6 +148,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_parser(sub)
     _add_serve_parser(sub)
     return ap
+
+
+def _token_scale(text: str) -> float:
+    """argparse type: 1/k for a whole k (bench.scaling explains why pages cannot be split)."""
+    from .bench.scaling import pages_per_scaled_page
+
+    try:
+        value = float(text)
+        pages_per_scaled_page(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err) if "token scale" in str(err) else
+                                         f"expected a number 1/k, got {text!r}") from None
+    return value
 
 
 def _positive(kind):
@@ -182,9 +199,8 @@ def _add_bench_parser(sub, workload_group) -> None:
     for action in workload_group._group_actions:
         shared._add_action(action)
     scale = b.add_argument_group("scaling and admission")
-    scale.add_argument("--token-scale", type=_positive(float), default=1.0,
-                       help="merge every 1/s pages into one (0.0625: 16 pages -> 1); outputs scale too (1)")
-    scale.add_argument("--time-scale", type=float, default=1.0, help="multiply every think/tool gap (1)")
+    scale.add_argument("--time-scale", type=_number("", at_least=0), default=1.0,
+                       help="multiply every think/tool gap (1)")
     scale.add_argument("--max-live-sessions", type=_positive(int), default=24, help="live root sessions at once (24)")
     server = b.add_argument_group("server")
     server.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:30000")
@@ -194,7 +210,8 @@ def _add_bench_parser(sub, workload_group) -> None:
     server.add_argument("--model", help="model name for --backend openai (default: the first of /v1/models)")
     server.add_argument("--vocab-size", type=_positive(int),
                         help="token ids are drawn below this (default: the server's when it says, else 32000)")
-    server.add_argument("--request-timeout", type=_positive(float), default=600.0, help="seconds per request (600)")
+    server.add_argument("--request-timeout", type=_number("seconds", above=0), default=600.0,
+                        help="seconds per request (600)")
     server.add_argument("--retries", type=int, default=2, help="retries of a request that failed before its first token (2)")
     server.add_argument("--no-flush", action="store_true", help="do not empty the server's prefix cache first")
     cal = b.add_argument_group("calibration (instead of a workload)")
@@ -204,7 +221,8 @@ def _add_bench_parser(sub, workload_group) -> None:
     cal.add_argument("--calibrate-reps", type=_positive(int), default=2, help="repetitions of the grid (2)")
     out = b.add_argument_group("output")
     out.add_argument("--label", help="name of this run in the report (default: the server's policy, else 'live')")
-    out.add_argument("--out", type=Path, default=Path("out/bench"), help="directory for summary.json, requests.csv and plots (out/bench)")
+    out.add_argument("--out", type=Path, default=Path("out/bench"),
+                     help="directory for summary.json, requests.csv and plots (out/bench); checked before the run")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -213,7 +231,9 @@ def _add_compare_parser(sub) -> None:
     c = sub.add_parser("compare", help="runs of replay and bench side by side (e.g. sim vs live per policy)",
                        description="Print hit rate and TTFT p50/p95/mean per policy for every run directory "
                                    "(output of `histate replay` or `histate bench`), with TTFT ratios and hit-rate "
-                                   "differences against the policy's first run, and plot the TTFT CDFs.")
+                                   "differences against the policy's first run (or against the first directory "
+                                   "when each holds a single policy), warn when runs are not of the same "
+                                   "workload, and plot the TTFT CDFs.")
     c.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="run directories; the first is the reference")
     c.add_argument("--labels", help="comma-separated names of the runs (default: directory names)")
     c.add_argument("--out", type=Path, help="write compare.json and ttft_cdf_compare.png here")
@@ -228,13 +248,17 @@ def _add_serve_parser(sub) -> None:
                                    "and POST /v1/completions (token-id prompts), one request at a time.")
     s.add_argument("--policy", default="histate", help="cache policy, or 'none' for no reuse (histate)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    s.add_argument("--port", type=int, default=30000, help="port (30000, SGLang's default)")
-    s.add_argument("--gpu-mib", type=_positive(float), default=64.0, help="'GPU' tier (model device) budget, MiB (64)")
-    s.add_argument("--cpu-mib", type=_positive(float), default=256.0, help="CPU tier budget, MiB (256)")
-    s.add_argument("--ssd-mib", type=_positive(float), default=1024.0, help="SSD tier budget, MiB (1024)")
+    s.add_argument("--port", type=_number("", at_least=0, at_most=65535, integer=True), default=30000,
+                   help="port (30000, SGLang's default)")
+    s.add_argument("--gpu-mib", type=_number("MiB", above=0), default=64.0,
+                   help="'GPU' tier (model device) budget, MiB (64)")
+    s.add_argument("--cpu-mib", type=_number("MiB", above=0), default=256.0, help="CPU tier budget, MiB (256)")
+    s.add_argument("--ssd-mib", type=_number("MiB", above=0), default=1024.0, help="SSD tier budget, MiB (1024)")
     s.add_argument("--ssd-dir", type=Path, help="where the SSD tier's files go (default: a temporary directory)")
     s.add_argument("--ssd-backend", choices=("auto", "nixl", "file"), default="auto", help="SSD I/O backend (auto)")
-    s.add_argument("--max-context", type=_positive(int), default=16384, help="longest prompt accepted, tokens (16384)")
+    s.add_argument("--max-context", type=_number("tokens", at_least=1, integer=True), default=16384,
+                   help="longest prompt accepted, tokens (16384; /get_model_info reports it and histate bench "
+                        "checks a workload against it before sending anything)")
     s.add_argument("--threads", type=_positive(int), default=1, help="torch threads of the model (1)")
     s.add_argument("--check-mirror", action="store_true",
                    help="after every request, check that each tier holds exactly what the policy placed there")
@@ -284,6 +308,8 @@ def load_workload(args, settings: dict):
     trace = args.trace
     if trace is None:
         return demo_workload(seed=args.seed)
+    if str(trace) == "-":
+        trace = STDIN  # the loaders read pipes as they come (histate.sim.traces)
     if not trace.exists():
         raise FileNotFoundError(f"--trace {trace}: no such file or directory")
     options = LoadOptions(max_context_num_tokens=settings["max_context_num_tokens"], max_gap_s=settings["max_gap_s"],
@@ -316,18 +342,27 @@ def plan_replay(args) -> tuple:
     """(settings, workload, config, admitted roots, roots drawn but emptied by the clip): everything
     a replay needs, with every input checked, before any policy runs. Raises ValueError / OSError
     with a one-line message naming the flag or file:line:field."""
+    from .bench.scaling import scale_workload
     from .sim.replay import admission_order, sampled_roots
     from .sim.report import check_writable
 
     settings = resolve_workload_settings(args, args.model)
     check_writable(args.out)
-    workload = load_workload(args, settings)
+    workload = scale_workload(load_workload(args, settings), args.token_scale)  # as bench scales it
     config = build_config(args, settings, workload.page_num_tokens)
     drawn, admitted = sampled_roots(workload, config), admission_order(workload, config)
     if not any(s.requests for root in admitted for s in root.iter_sessions()):
-        raise ValueError(f"no requests to replay: {workload.stats.requests_over_context} dropped by the "
-                         f"max context of {settings['max_context_num_tokens']:,} tokens (--max-context)")
+        raise ValueError(nothing_to_run(workload, settings, "replay"))
     return settings, workload, config, admitted, len(drawn) - len(admitted)
+
+
+def nothing_to_run(workload, settings: dict, verb: str) -> str:
+    """Why a workload has no request to run, for the one-line error."""
+    over = workload.stats.requests_over_context
+    if over:
+        return (f"no requests to {verb}: {over:,} dropped by the max context of "
+                f"{settings['max_context_num_tokens']:,} tokens (--max-context)")
+    return f"no requests to {verb}: the workload has none (an empty trace?)"
 
 
 def settings_record(args, settings: dict, workload, config, admitted: list, num_drawn_empty: int) -> dict:
@@ -335,7 +370,8 @@ def settings_record(args, settings: dict, workload, config, admitted: list, num_
     from dataclasses import asdict
 
     system = {k: v for k, v in asdict(config).items() if k not in ("engine", "step_cost", "hardware_spec")}
-    return {**settings, "seed": args.seed, "trace": str(args.trace) if args.trace else None,
+    return {**settings, "token_scale": args.token_scale, "seed": args.seed,
+            "trace": str(args.trace) if args.trace else None,
             "format": args.format if args.trace else None, "workload": workload.name,
             "admitted_sessions": len(admitted), "drawn_empty_sessions": num_drawn_empty,
             "admitted_requests": sum(len(s.requests) for root in admitted for s in root.iter_sessions()),
@@ -344,7 +380,6 @@ def settings_record(args, settings: dict, workload, config, admitted: list, num_
 
 
 def replay_command(args) -> int:
-    from .sim.replay import replay_policies
     from .sim.report import build_summary, format_table, strict_json, write_outputs
 
     try:  # bad input is one line naming its source, and all of it is found before the replay starts
@@ -352,6 +387,10 @@ def replay_command(args) -> int:
     except (ValueError, OSError) as err:
         print(f"histate replay: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("histate replay: interrupted while loading the workload; nothing was replayed or written",
+              file=sys.stderr)
+        return 130
     stats = workload.stats
     record = settings_record(args, settings, workload, config, admitted, num_drawn_empty)
     clip = settings["max_context_num_tokens"]
@@ -371,8 +410,14 @@ def replay_command(args) -> int:
 
         logs = {name: EvictionLog() for name in args.explain}
         policies += [p for p in (*args.explain, "unlimited") if p not in policies]
-    runs = replay_policies(workload, policies, config, progress=not args.no_progress, observers=logs)
+    runs, interrupted = replay_until_interrupted(workload, policies, config, not args.no_progress, logs)
+    if interrupted and not runs:
+        print(f"histate replay: interrupted during {interrupted}, before any policy finished; nothing written",
+              file=sys.stderr)
+        return 130
     summary = {**build_summary(runs), "settings": record, "workload_stats": stats.as_dict()}
+    if interrupted:
+        summary["interrupted"] = {"policy": interrupted, "not_replayed": policies[len(runs):]}
     print(format_table(summary))
     for name, run in runs.items():
         n = len(run.records)
@@ -380,6 +425,10 @@ def replay_command(args) -> int:
         print(f"  {name}: replayed {n} requests ({span_h:.2f} h simulated) in {run.wall_s:.1f} s "
               f"({n / max(run.wall_s, 1e-9):,.0f} req/s)")
     written = write_outputs(runs, summary, args.out, plots=not args.no_plots)
+    if interrupted:
+        print(f"histate replay: interrupted during {interrupted}; wrote the {len(runs)} policies that finished "
+              f"({', '.join(runs)}) to {args.out}", file=sys.stderr)
+        return 130
     if logs:
         from .sim.explain import explain, format_explain
 
@@ -392,12 +441,29 @@ def replay_command(args) -> int:
     return 0
 
 
+def replay_until_interrupted(workload, policies: list, config, progress: bool, observers: dict) -> tuple:
+    """(runs of the policies that finished, the policy Ctrl-C interrupted or None): policies run one
+    after another, so an interrupted replay still has every policy it completed to report."""
+    from .sim.replay import replay_policies
+
+    runs: dict = {}
+    for name in policies:
+        try:
+            runs.update(replay_policies(workload, [name], config, progress=progress, observers=observers))
+        except KeyboardInterrupt:
+            if progress:
+                print(file=sys.stderr)  # end the progress bar's line
+            return runs, name
+    return runs, None
+
+
 def bench_command(args) -> int:
     from .bench.backends import BenchError
-    from .bench.run import BenchOptions, check_base_url, report, run_bench
+    from .bench.run import BenchOptions, RunFailed, check_base_url, report, run_bench
     from .bench.scaling import scale_workload
-    from .bench.sessions import RetryPolicy
+    from .bench.sessions import RetryPolicy, admitted_requests
     from .sim.replay import ReplayConfig
+    from .sim.report import check_writable
 
     try:
         check_base_url(args.base_url)
@@ -414,15 +480,26 @@ def bench_command(args) -> int:
                                flush_cache=not args.no_flush, progress=not args.no_progress)
         if args.calibrate:
             return _calibrate(args, options)
+        check_writable(args.out)  # before the run, not after it (the reports are written at the end)
         workload = scale_workload(load_workload(args, settings), args.token_scale, args.time_scale)
+        if not admitted_requests(workload, admission):
+            raise BenchError(nothing_to_run(workload, settings, "send"))
     except (BenchError, ValueError, OSError) as err:
         print(f"histate bench: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("histate bench: interrupted before the run; nothing was sent or written", file=sys.stderr)
+        return 130
     stats = workload.stats
     print(f"workload {workload.name}: {stats.sessions} sessions (+{stats.subagent_sessions} subagents), "
           f"{stats.requests} requests, {stats.input_tokens / 1e6:.2f}M input tokens")
     try:
         result = run_bench(workload, options)
+    except RunFailed as failed:  # the run started, then failed: write what it measured, as Ctrl-C does
+        report(failed.result, args.out, plots=not args.no_plots)
+        print(f"histate bench: error: {failed} (wrote the {len(failed.result.run.records)} requests completed "
+              f"before it)", file=sys.stderr)
+        return 2
     except BenchError as err:
         print(f"histate bench: error: {err}", file=sys.stderr)
         return 2
@@ -450,7 +527,10 @@ def compare_command(args) -> int:
 
     labels = [x.strip() for x in args.labels.split(",")] if args.labels else []
     try:
-        table = compare(args.dirs, labels)
+        warnings: list = []
+        table = compare(args.dirs, labels, warnings)
+        for line in warnings:
+            print(line, file=sys.stderr)
         print(format_comparison(table))
         if args.out:
             written = write_comparison(table, args.dirs, labels, args.out, plots=not args.no_plots)
@@ -473,8 +553,6 @@ def serve_command(args) -> int:
                                            Tier.SSD: int(args.ssd_mib * MiB)},
                              args.ssd_dir, args.ssd_backend, args.max_context, check_mirror=args.check_mirror,
                              num_threads=args.threads)
-        if not 0 <= args.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
         engine = ServingEngine(config)
     except (ValueError, OSError, ImportError) as err:
         print(f"histate serve: error: {err}", file=sys.stderr)

@@ -136,3 +136,35 @@ def test_unreachable_server_is_transient():
 
     with pytest.raises(TransientError, match="generate: "):
         asyncio.run(body())
+
+
+def test_vllms_max_model_len_is_checked_before_anything_is_sent():
+    """vLLM lists max_model_len (prompt + output) in /v1/models; a longer request is refused up front."""
+    from histate.bench.run import check_server_limits
+    from histate.sim.replay import ReplayConfig
+    from histate.sim.request import Request, Session, Workload, WorkloadStats
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 1000}]})
+
+    async def run():
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        try:
+            async with aiohttp.ClientSession() as http:
+                return await make_backend("openai", f"http://{host}:{port}").server_info(http)
+        finally:
+            await runner.cleanup()
+
+    info = asyncio.run(run())
+    assert (info.model, info.max_total_num_tokens, info.max_prompt_num_tokens) == ("m", 1000, None)
+    requests = (Request(0, "s", 0, 900, 50, (), 0.0), Request(1, "s", 1, 990, 20, (), 0.0))
+    workload = Workload("w", [Session("s", requests)], WorkloadStats(sessions=1, requests=2))
+    with pytest.raises(BenchError, match=r"1 of the 2 admitted requests have prompt \+ output over the server's max "
+                                         r"model length of 1,000 tokens \(max_model_len in /v1/models; the longest "
+                                         r"has 1,010\); nothing was sent"):
+        check_server_limits(workload, ReplayConfig(), info)

@@ -11,6 +11,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -25,6 +27,14 @@ from test.bench.test_backends import closed_port_url
 from test.sim.helpers import ids, weka_request, weka_session, weka_subagent, write_jsonl
 
 MiB = 2**20
+
+
+def run_cli(argv):
+    """`histate ARGV`'s exit status, whether main returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return stop.code
 BIG = dict(gpu_cache_bytes=64 * MiB, cpu_cache_bytes=256 * MiB, ssd_cache_bytes=1024 * MiB)  # the server's defaults
 
 
@@ -100,6 +110,9 @@ def test_bench_cli_writes_replays_schema_with_ttft_and_hits(histate_server, tmp_
     assert int(turns[0]["reused_tokens"]) == 0
     assert all(int(r["reused_tokens"]) > 0 for r in turns[1:])
     assert 0.5 < stats["token_hit_rate"] < 1
+    # Each request's position in its session, so the non-first percentiles are defined (issue 19: all 0).
+    assert [int(r["session_index"]) for r in turns] == list(range(16))
+    assert stats["non_first_requests"] == 15 and 0 < stats["ttft_p95_non_first_s"] < 60
     assert "histate: completed 16 of 16 requests" in capsys.readouterr().out
 
 
@@ -135,7 +148,116 @@ def test_ctrl_c_stops_cleanly_with_partial_results(histate_server, tmp_path):
 def test_bad_urls_and_flags_are_one_line_exit_2(histate_server, capsys, flags, message):
     flags = [histate_server.url if f == "URL" else closed_port_url() if f == "CLOSED" else f for f in flags]
     workload = [] if "--trace" in flags else ["--synthetic", "agent"]  # replay refuses both together
-    assert main(["bench", *flags, *workload, "--max-sessions", "1", "--no-progress"]) == 2
+    assert run_cli(["bench", *flags, *workload, "--max-sessions", "1", "--no-progress"]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert "\n" not in err and err.startswith("histate bench: error: ") and message in err
+
+
+def _long_prompt_trace(tmp_path, long_num_tokens):
+    """One session: a 300-token turn, then one of `long_num_tokens`."""
+    session = weka_session("s", [weka_request(0.0, 300, ids(1, 4), out=2, api=0.1),
+                                 weka_request(1.0, long_num_tokens, ids(1, long_num_tokens // 64), out=2, think=0.01)])
+    return write_jsonl(tmp_path / "long.jsonl", [session])
+
+
+def test_a_workload_over_the_servers_max_context_is_refused_before_anything_is_sent(histate_server, tmp_path, capsys):
+    """The server reports max_context_num_tokens (16,384); the bench checks every admitted request
+    against it first and says which --max-context fits -- which then runs."""
+    trace = str(_long_prompt_trace(tmp_path, 20506))
+    out = tmp_path / "out"
+    assert run_cli(["bench", "--base-url", histate_server.url, "--trace", trace, "--out", str(out),
+                    "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("histate bench: error: 1 of the 2 admitted requests have prompts over "
+                                              "the server's max context of 16,384 tokens")
+    assert "the longest has 20,506" in err and "nothing was sent: pass --max-context 16384" in err
+    assert not (out / "requests.csv").exists()
+    # With token scale 1/2 the limit is 32,768 trace tokens.
+    assert run_cli(["bench", "--base-url", histate_server.url, "--trace", str(_long_prompt_trace(tmp_path, 40000)),
+                    "--token-scale", "0.5", "--out", str(out), "--no-progress"]) == 2
+    assert "pass --max-context 32768" in capsys.readouterr().err
+    assert run_cli(["bench", "--base-url", histate_server.url, "--trace", trace, "--max-context", "16384",
+                    "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    assert json.loads((out / "summary.json").read_text())["bench"]["completed_requests"] == 1
+
+
+def test_a_server_dying_mid_run_keeps_every_completed_request(tmp_path, capsys):
+    """The server goes away after its 4th request: the run ends with one error line and exit 2, and
+    requests.csv / summary.json hold the requests that completed."""
+    from histate.serve.engine import ServeConfig, ServingEngine
+    from histate.serve.http import ServerThread
+
+    server = ServerThread(ServingEngine(ServeConfig("none")))
+    submit, submitted, closer = server.engine.submit, [], threading.Thread(target=server.close)
+
+    def submit_then_die(job):
+        submitted.append(job)
+        submit(job)
+        if len(submitted) == 4:
+            closer.start()
+
+    server.engine.submit = submit_then_die
+    out = tmp_path / "out"
+    try:
+        rc = run_cli(["bench", "--base-url", server.url, "--synthetic", "agent", "--max-sessions", "1",
+                      "--token-scale", "0.03125", "--time-scale", "0.0001", "--retries", "0", "--out", str(out),
+                      "--no-progress", "--no-plots"])
+    finally:
+        if closer.is_alive() or closer.ident:
+            closer.join(timeout=120)
+        else:
+            server.close()
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert rc == 2 and "\n" not in err and err.startswith("histate bench: error: ")
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert 3 <= len(rows) < 16 and f"wrote the {len(rows)} requests completed before it" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bench"]["completed_requests"] == len(rows) and summary["bench"]["error"]
+    assert summary["bench"]["interrupted"] is False and summary["policies"]["none"]["requests"] == len(rows)
+    assert f"stopped by an error after {len(rows)} of 16 requests" in captured.out
+
+
+def test_an_unusable_out_is_refused_before_the_server_is_asked(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert run_cli(["bench", "--base-url", closed_port_url(), "--synthetic", "agent", "--out", str(blocker / "sub"),
+                    "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"histate bench: error: --out {blocker / 'sub'}: cannot write")
+
+
+def test_an_empty_trace_is_an_error(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert run_cli(["bench", "--base-url", closed_port_url(), "--trace", str(empty), "--out", str(tmp_path / "o"),
+                    "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "histate bench: error: no requests to send: the workload has none (an empty trace?)"
+
+
+def test_ctrl_c_while_the_trace_loads_is_one_line(tmp_path, capsys, monkeypatch):
+    import histate.cli
+
+    def interrupted(args, settings):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(histate.cli, "load_workload", interrupted)
+    trace = _long_prompt_trace(tmp_path, 1000)
+    assert run_cli(["bench", "--base-url", closed_port_url(), "--trace", str(trace), "--out", str(tmp_path / "o"),
+                    "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err == "histate bench: interrupted before the run; nothing was sent or written\n"
+
+
+def test_trace_dash_reads_standard_input(tmp_path):
+    """`--trace -` (advertised in --help): the trace comes from a pipe."""
+    trace = _long_prompt_trace(tmp_path, 1000).read_bytes()
+    done = subprocess.run([sys.executable, "-m", "histate.cli", "bench", "--base-url", closed_port_url(),
+                           "--trace", "-", "--retries", "0", "--out", str(tmp_path / "o"), "--no-progress"],
+                          input=trace, capture_output=True, timeout=120)
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert "1 sessions (+0 subagents), 2 requests" in out, err  # read from stdin, then the (closed) server
+    assert done.returncode == 2 and "cannot reach" in err

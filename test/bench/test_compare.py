@@ -66,3 +66,66 @@ def test_bad_inputs_name_file_and_line(tmp_path, capsys):
     assert main(["compare", str(bad)]) == 2
     assert "requests.csv:2:" in capsys.readouterr().err
 
+
+
+def test_single_policy_runs_are_compared_whatever_their_names(tmp_path, capsys):
+    """Live runs hold one policy each (named by --label or the server): the first DIR is the reference."""
+    a = _write(tmp_path / "a", _run("histate", [0.1, 0.2, 0.3], [50, 50, 80]))
+    b = _write(tmp_path / "b", _run("live", [0.2, 0.4, 0.6], [50, 50, 50]))
+    table = compare([a, b])
+    assert list(table) == ["histate"]
+    ref, other = table["histate"]
+    assert (ref["policy"], other["policy"]) == ("histate", "live")
+    assert other["ttft_p50_ratio"] == pytest.approx(2.0) and other["hit_rate_diff"] == pytest.approx(-0.1)
+    assert main(["compare", str(a), str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "live" in out and "  2.00" in out
+
+
+def test_runs_of_different_workloads_are_compared_with_a_warning(tmp_path, capsys):
+    a = _write(tmp_path / "a", _run("histate", [0.1, 0.2], [10, 20]))
+    same = _write(tmp_path / "same", _run("histate", [0.3, 0.4], [0, 0]))
+    warnings = []
+    compare([a, same], warnings=warnings)
+    assert warnings == []
+    other = tmp_path / "other"
+    other.mkdir()
+    rows = (a / "requests.csv").read_text().replace(",100,", ",90,")  # same uids, other prompts
+    (other / "requests.csv").write_text(rows)
+    fewer = _write(tmp_path / "fewer", _run("histate", [0.1], [10]))
+    compare([a, other, fewer], warnings=warnings)
+    assert len(warnings) == 2
+    assert "run 'other' is not the workload of the reference run 'a': 2 of 2 common requests differ" in warnings[0]
+    assert "run 'fewer' is not the workload of the reference run 'a': 1 requests against 2" in warnings[1]
+    assert main(["compare", str(a), str(other)]) == 0  # the table is still printed, after the warning
+    captured = capsys.readouterr()
+    assert captured.err.startswith("warning: run 'other'") and "p50 x" in captured.out
+
+
+@pytest.mark.parametrize("ttft", ["nan", "inf", "-0.5"])
+def test_a_ttft_that_is_not_a_finite_time_is_an_error(tmp_path, capsys, ttft):
+    run_dir = _write(tmp_path / "r", _run("histate", [0.1, 0.2], [10, 20]))
+    path = run_dir / "requests.csv"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2].rsplit(",", 1)[0] + f",{ttft}"
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["compare", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"requests.csv:3: ttft_s is '{ttft}', expected a finite number of seconds >= 0" in err
+
+
+def test_a_header_only_csv_is_an_error(tmp_path, capsys):
+    run_dir = _write(tmp_path / "r", _run("histate", [0.1], [10]))
+    path = run_dir / "requests.csv"
+    path.write_text(path.read_text().splitlines()[0] + "\n")
+    assert main(["compare", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"histate compare: error: {path}: no requests (a header and no rows)"
+
+
+def test_session_index_round_trips_so_non_first_percentiles_are_defined(tmp_path):
+    records = [RequestRecord(uid, "s", 0, float(uid), 100, 0, 0, 0.0, uid + 0.1, session_index=uid)
+               for uid in range(3)]
+    runs = load_runs(_write(tmp_path / "r", PolicyRun("histate", records)))
+    assert [r.session_index for r in runs["histate"].records] == [0, 1, 2]
+    assert compare([tmp_path / "r"])["histate"][0]["non_first_requests"] == 2

@@ -83,17 +83,89 @@ def test_non_streaming_and_openai_completions(histate_server):
 
 
 @pytest.mark.parametrize("path, payload, message", [
-    ("/generate", {"text": "hello"}, "text prompts are not supported"),
     ("/generate", {"input_ids": [1, 512]}, "every token id must be an integer in [0, 512)"),
-    ("/generate", {"input_ids": []}, "non-empty list of token ids"),
+    ("/generate", {"input_ids": []}, "text or a non-empty list of token ids"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens must be an integer in [1, "),
     ("/generate", {"input_ids": [1] * 16385}, "16385 tokens exceed the max context of 16384"),
-    ("/v1/completions", {"prompt": "hi"}, "prompt must be a non-empty list of token ids"),
     ("/v1/completions", {"prompt": [1], "max_tokens": True}, "max_tokens must be an integer"),
+    # Silently accepted before (issue 19): each asks for something this server does not do.
+    ("/v1/completions", {"model": "gpt-4", "prompt": [1]}, "model 'gpt-4' is not served here"),
+    ("/v1/completions", {"prompt": [1], "n": 2}, "n=2 is not supported"),
+    ("/v1/completions", {"prompt": [1], "logprobs": 1}, "logprobs=1 is not supported"),
+    ("/v1/completions", {"prompt": [1], "echo": True}, "echo=true is not supported"),
+    ("/v1/completions", {"prompt": [1], "stop": ["\n"]}, "stop=[\"\\n\"] is not supported"),
+    ("/v1/completions", {"prompt": [1], "stream": "false"}, 'stream must be true or false, got "false"'),
+    ("/v1/completions", {"prompt": [1], "max_token": 3}, "unknown field 'max_token'"),
+    ("/v1/completions", {"prompt": [[1], [2]]}, "a batch of 2 prompts"),
+    ("/generate", {"input_ids": [1], "sampling_params": []}, "sampling_params must be an object, got list"),
+    ("/generate", {"input_ids": [1], "stream": "false"}, 'stream must be true or false, got "false"'),
+    ("/generate", {"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n=2 is not supported"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop": "x"}}, 'sampling_params.stop="x" is not supported'),
+    ("/generate", {"input_ids": [1], "return_logprob": True}, "return_logprob=true is not supported"),
+    ("/generate", {"input_ids": [1], "text": "a"}, "give exactly one of text and input_ids"),
+    ("/generate", {"text": "\u20ac"}, "character '\u20ac' (U+20AC) at position 0 has no token"),
 ])
 def test_bad_requests_get_400_with_a_message(histate_server, path, payload, message):
     status, body = _post(histate_server.url + path, payload)
-    assert status == 400 and message in body["error"]["message"]
+    assert status == 400 and message in body["error"]["message"], body
+
+
+def test_neutral_values_of_unserved_fields_are_accepted(histate_server):
+    """What SGLang's and OpenAI's clients send by default must still be served."""
+    status, body = _post(histate_server.url + "/v1/completions", {
+        "model": "histate-tiny-qwen3.5", "prompt": [1, 2], "max_tokens": 1, "n": 1, "best_of": 1, "logprobs": None,
+        "echo": False, "stop": None, "temperature": 0.0, "ignore_eos": True, "user": "u"})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+    status, body = _post(histate_server.url + "/generate", {
+        "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True,
+                                                 "stop": [], "n": 1},
+        "lora_path": None, "return_logprob": False, "logprob_start_len": -1, "return_routed_experts": False})
+    assert status == 200 and body["meta_info"]["completion_tokens"] == 1
+
+
+def test_text_prompts_and_streamed_text_are_the_tokenizers(histate_server):
+    """A text prompt is the tokenizer's ids (one per character); every streamed token carries its text."""
+    from histate.reference.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer(512)
+    text = "def f(x):\n    return x  # caf\u00e9"
+    status, by_ids = _post(histate_server.url + "/generate", {"input_ids": tokenizer.encode(text),
+                                                              "sampling_params": {"max_new_tokens": 4}})
+    status, events = _post(histate_server.url + "/generate", {"text": text, "sampling_params": {"max_new_tokens": 4},
+                                                              "stream": True})
+    assert status == 200 and events[-1]["meta_info"]["prompt_tokens"] == len(text)
+    assert events[-1]["output_ids"] == by_ids["output_ids"]  # the same prompt, as text or as ids
+    assert [e["text"] for e in events[:4]] == [tokenizer.decode(by_ids["output_ids"][:n]) for n in range(1, 5)]
+    status, chunks = _post(histate_server.url + "/v1/completions", {"prompt": text, "max_tokens": 4, "stream": True})
+    token_chunks = [c["choices"][0]["text"] for c in chunks
+                    if c["choices"] and c["choices"][0]["finish_reason"] is None]
+    assert len(token_chunks) == 4 and all(len(t) == 1 for t in token_chunks)
+    status, whole = _post(histate_server.url + "/v1/completions", {"prompt": text, "max_tokens": 4})
+    assert "".join(token_chunks) == whole["choices"][0]["text"] == tokenizer.decode(by_ids["output_ids"])
+
+
+def test_a_client_hanging_up_mid_stream_is_quiet(histate_server, caplog):
+    """Closing the connection after the first token stops the request without an error in the log."""
+    import logging
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(histate_server.url)
+    body = json.dumps({"input_ids": [5] * 200, "sampling_params": {"max_new_tokens": 400}, "stream": True}).encode()
+    request = (f"POST /generate HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with caplog.at_level(logging.DEBUG):
+        with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+            sock.sendall(request)
+            received = b""
+            while b"data:" not in received:
+                received += sock.recv(65536)
+        time.sleep(1.0)  # the server writes its next tokens to the closed connection
+        after = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}
+        assert _post(histate_server.url + "/generate", after)[0] == 200  # still serving
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not problems, [r.getMessage() for r in problems]
 
 
 def test_bad_json_and_flush(histate_server):
@@ -113,6 +185,9 @@ def test_info_endpoints(histate_server):
     with urllib.request.urlopen(histate_server.url + "/get_model_info") as r:
         info = json.loads(r.read())
     assert (info["vocab_size"], info["histate_policy"], info["page_num_tokens"]) == (512, "histate", 64)
+    assert (info["max_context_num_tokens"], info["max_new_tokens"]) == (16384, 4096)
+    with urllib.request.urlopen(histate_server.url + "/model_info") as r:  # SGLang's name, where bench_serving asks
+        assert json.loads(r.read())["tokenizer_path"] == info["tokenizer_path"]
     with urllib.request.urlopen(histate_server.url + "/v1/models") as r:
         assert json.loads(r.read())["data"][0]["id"] == "histate-tiny-qwen3.5"
 
@@ -134,6 +209,15 @@ def test_policy_none_never_reuses(cold_runner):
             assert got[-1][1]["output_ids"] == list(cold_runner.cold_run(prompt, 3).decode_tokens)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("flag, value", [("--gpu-mib", "inf"), ("--cpu-mib", "Infinity"), ("--ssd-mib", "1e400"),
+                                         ("--port", "70000")])
+def test_serve_refuses_bad_numbers_in_one_line(capsys, flag, value):
+    with pytest.raises(SystemExit) as stop:
+        main(["serve", flag, value])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and err.startswith(f"histate serve: error: argument {flag}") and "\n" not in err
 
 
 def test_serve_rejects_policies_it_cannot_mirror(capsys):

@@ -13,6 +13,13 @@ from .helpers import ids, weka_request, weka_session, write_jsonl
 FAST = ["--no-progress", "--no-plots"]
 
 
+@pytest.fixture(autouse=True)
+def _default_out_dir_under_tmp_path(tmp_path, monkeypatch):
+    """A replay creates its --out directory (default out/replay, relative to the current directory)
+    before it reads its input, so even refused runs made one in the working tree: run from tmp_path."""
+    monkeypatch.chdir(tmp_path)
+
+
 def run(argv, capsys):
     try:
         rc = cli_main(["replay", *argv])
@@ -177,3 +184,119 @@ def test_engine_what_if_serves_every_policy_with_one_scheduler(tmp_path, capsys)
         assert {name: p["engine"] for name, p in summary["policies"].items()} == expected
         assert summary["settings"]["engine_name"] == engine
     assert_refused(["--engine", "trt"], capsys, "--engine")
+
+
+def test_token_scale_replays_the_workload_bench_sends(tmp_path, capsys):
+    """--token-scale means what it means for `histate bench` (histate.bench.scaling): the same requests,
+    so `histate compare out/live out/sim` pairs a scaled live run with its simulation."""
+    from histate.bench.scaling import scale_workload
+    from histate.sim.traces import LoadOptions, load_weka
+
+    trace = small_trace(tmp_path)
+    rc, _, err = run(["--trace", str(trace), "--model", "tiny-qwen3.5", "--token-scale", "0.5", "--policies", "histate",
+                      "--out", str(tmp_path / "out"), *FAST], capsys)
+    assert rc == 0, err
+    summary = strict_json((tmp_path / "out" / "summary.json").read_text())
+    assert summary["settings"]["token_scale"] == 0.5 and "tokens x0.5" in summary["settings"]["workload"]
+    rows = (tmp_path / "out" / "requests.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    got = {int(r.split(",")[header.index("uid")]): int(r.split(",")[header.index("input_tokens")]) for r in rows[1:]}
+    bench = scale_workload(load_weka(trace, LoadOptions(max_context_num_tokens=65536)), 0.5)
+    want = {r.uid: r.input_num_tokens for s in bench.sessions for r in s.requests}
+    assert got == want and sorted(got.values()) == [320, 500, 640, 960]
+    assert_refused(["--token-scale", "0.3"], capsys, "--token-scale", "1/k")
+
+
+def test_ctrl_c_during_a_policy_writes_the_policies_that_finished(tmp_path, capsys, monkeypatch):
+    import histate.sim.replay
+
+    real = histate.sim.replay.replay_policies
+
+    def interrupted_at_the_second(workload, policies, *args, **kwargs):
+        if policies == ["vllm-disk"]:
+            raise KeyboardInterrupt
+        return real(workload, policies, *args, **kwargs)
+
+    monkeypatch.setattr(histate.sim.replay, "replay_policies", interrupted_at_the_second)
+    rc, out, err = run(["--trace", str(small_trace(tmp_path)), "--policies", "histate,vllm-disk,unlimited",
+                        "--out", str(tmp_path / "out"), *FAST], capsys)
+    assert rc == 130 and err.count("\n") == 1
+    assert err == (f"histate replay: interrupted during vllm-disk; wrote the 1 policies that finished (histate) "
+                   f"to {tmp_path / 'out'}\n")
+    summary = strict_json((tmp_path / "out" / "summary.json").read_text())
+    assert list(summary["policies"]) == ["histate"]
+    assert summary["interrupted"] == {"policy": "vllm-disk", "not_replayed": ["vllm-disk", "unlimited"]}
+    assert "histate" in out
+
+
+def test_ctrl_c_while_loading_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import histate.cli
+
+    def interrupted(args, settings):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(histate.cli, "load_workload", interrupted)
+    out_dir = tmp_path / "out"
+    rc, _, err = run(["--trace", str(small_trace(tmp_path)), "--out", str(out_dir), *FAST], capsys)
+    assert rc == 130
+    assert err == "histate replay: interrupted while loading the workload; nothing was replayed or written\n"
+    assert not (out_dir / "summary.json").exists()
+
+
+def test_trace_dash_reads_standard_input(tmp_path):
+    import subprocess
+    import sys
+
+    trace = small_trace(tmp_path).read_bytes()
+    done = subprocess.run([sys.executable, "-m", "histate.cli", "replay", "--trace", "-", "--model", "tiny-qwen3.5",
+                           "--policies", "unlimited", "--out", str(tmp_path / "out"), *FAST],
+                          input=trace, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    settings = strict_json((tmp_path / "out" / "summary.json").read_text())["settings"]
+    assert (settings["trace"], settings["admitted_requests"]) == ("-", 4)
+
+
+def _plot_runs(names):
+    from histate.sim.metrics import PolicyRun, RequestRecord
+
+    def run_of(name, reused):
+        return PolicyRun(name, [RequestRecord(uid, "s", 0, float(uid), 100, r, r, 0.0, uid + 0.1 * (1 + i))
+                                for i, (uid, r) in enumerate(zip(range(3), reused))])
+
+    return {name: run_of(name, {"vllm-disk": (0, 10, 50)}.get(name, (0, 80, 50))) for name in names}
+
+
+def test_ttft_cdf_gives_every_policy_its_own_colour_and_line_style():
+    """11 policies, 10 colours: histate and unlimited used to share blue."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from histate.core import available_policies
+    from histate.sim.report import ttft_cdf_figure
+
+    names = available_policies()
+    assert len(names) > 10
+    fig = ttft_cdf_figure(_plot_runs(names), plt)
+    styles = [(matplotlib.colors.to_hex(line.get_color()), line.get_linestyle()) for line in fig.axes[0].get_lines()]
+    plt.close(fig)
+    assert len(styles) == len(names) and len(set(styles)) == len(names)
+
+
+def test_per_request_plot_has_a_title_that_defines_reuse_sensitive():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from histate.sim.metrics import reuse_sensitive_uids
+    from histate.sim.report import per_request_figure
+
+    runs = _plot_runs(["histate", "vllm-disk", "unlimited"])
+    cohort = reuse_sensitive_uids(runs)
+    assert cohort == [1]
+    fig = per_request_figure(runs, cohort, plt)
+    title = fig._suptitle.get_text()
+    plt.close(fig)
+    assert "reuse-sensitive" in title
+    assert "vllm-disk hit rate >= 5 points below unlimited's, or histate and vllm-disk hit rates >= 5 points apart" \
+        in title

@@ -11,6 +11,10 @@
   `usage.prompt_tokens_details.cached_tokens` in the last event (vLLM fills it only with
   `--enable-prompt-tokens-details`; without it they are reported as unknown, never as 0).
 
+`server_info` also reads the longest request the server takes where it says so (`histate serve`'s
+max_context_num_tokens and max_new_tokens in /get_model_info, vLLM's max_model_len in /v1/models),
+for the bench to check the workload against before sending anything.
+
 TTFT is measured on the client from sending the request to the first event that carries an output
 token. A server that returns a different prompt length than it was sent, or a different number of
 output tokens than forced, is answering wrongly: the bench stops with one line naming the field.
@@ -51,6 +55,11 @@ class ServerInfo:
     model: Optional[str] = None
     vocab_size: Optional[int] = None
     policy: Optional[str] = None    # histate serve's cache policy
+    # The longest request the server takes, when it says (None: unknown): a request over it would be
+    # refused mid-run, so the bench checks the workload against these first (run.check_server_limits).
+    max_prompt_num_tokens: Optional[int] = None   # /get_model_info max_context_num_tokens (histate serve)
+    max_new_tokens: Optional[int] = None          # /get_model_info max_new_tokens (histate serve)
+    max_total_num_tokens: Optional[int] = None    # /v1/models max_model_len, prompt + output (vLLM)
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -168,7 +177,7 @@ class SGLangBackend(_Backend):
         info = await self._get_json(http, "/get_model_info")
         if not isinstance(info, dict):
             raise BenchError(f"{self.url('/get_model_info')}: expected a JSON object")
-        return ServerInfo(info.get("model_path"), _int_or_none(info.get("vocab_size")), info.get("histate_policy"))
+        return _with_model_info(ServerInfo(info.get("model_path")), info)
 
 
 class OpenAIBackend(_Backend):
@@ -208,11 +217,10 @@ class OpenAIBackend(_Backend):
             raise BenchError(f"{self.url('/v1/models')}: no model listed")
         if self.model is None:
             self.model = models[0]["id"]
-        vocab = None
+        listed = next((m for m in models if isinstance(m, dict) and m.get("id") == self.model), {})
+        server = ServerInfo(self.model, max_total_num_tokens=_int_or_none(listed.get("max_model_len")))
         info = await self._get_json(http, "/get_model_info", required=False)  # histate serve / SGLang
-        if isinstance(info, dict):
-            vocab = _int_or_none(info.get("vocab_size"))
-        return ServerInfo(self.model, vocab, info.get("histate_policy") if isinstance(info, dict) else None)
+        return _with_model_info(server, info) if isinstance(info, dict) else server
 
 
 BACKENDS = {"sglang": SGLangBackend, "openai": OpenAIBackend}
@@ -240,6 +248,15 @@ def _error_message(error) -> str:
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error)
+
+
+def _with_model_info(server: ServerInfo, info: dict) -> ServerInfo:
+    """`server` plus what /get_model_info says: vocabulary, histate serve's policy and limits."""
+    server.vocab_size = _int_or_none(info.get("vocab_size"))
+    server.policy = info.get("histate_policy")
+    server.max_prompt_num_tokens = _int_or_none(info.get("max_context_num_tokens"))
+    server.max_new_tokens = _int_or_none(info.get("max_new_tokens"))
+    return server
 
 
 def _int_or_none(value) -> Optional[int]:

@@ -9,7 +9,9 @@ The rules are the replay driver's (histate/sim/replay.py), executed with real wa
 * a subagent is released when its parent's request `spawn_after_index` completes (-1: with its parent).
 
 One record per completed request, in the replay's `RequestRecord` (times in seconds since the run
-started): arrival = when the request was sent, first token and completion as the client saw them.
+started): arrival = when the request was sent, first token and completion as the client saw them,
+and the request's position in its session (`session_index`: the report's non-first percentiles
+leave out each session's cold first request).
 """
 from __future__ import annotations
 
@@ -147,6 +149,7 @@ class ClosedLoop:
         reused = done.cached_tokens or 0
         kv_hit = done.kv_hit_tokens if done.kv_hit_tokens is not None else reused
         record = RequestRecord(req.uid, req.session_id, int(req.flags), arrival_s, len(token_ids), kv_hit, reused,
-                               math.nan, arrival_s + done.ttft_s, arrival_s + done.latency_s)
+                               math.nan, arrival_s + done.ttft_s, arrival_s + done.latency_s,
+                               session_index=req.index)
         self.records.append(record)
         self.on_request_done(record)

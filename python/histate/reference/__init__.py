@@ -6,6 +6,7 @@
   gdn_kernels    runs transformers' GDN layers on those kernels (fp32 or fp64) and captures states
   hybrid_cache   KV pages + a checkpoint <-> transformers' hybrid DynamicCache
   runner         prefill / decode / cold runs with fixed numerics
+  tokenizer      one character per token id (text prompts and streamed text for `histate serve`)
   page_keys      prefix-chained page keys
   tier_stores    per-tier stores (GPU pool slots, CPU buffers, SSD objects via histate.storage)
   executor       ReferenceExecutor: serves requests with histate.core deciding what lives where

@@ -29,6 +29,7 @@ from ..core import Tier, available_policies, make_policy
 from ..reference.executor import ReferenceExecutor
 from ..reference.runner import ModelRunner
 from ..reference.ssd import open_ssd
+from ..reference.tokenizer import CharTokenizer
 
 NO_CACHE = "none"
 MiB = 2**20
@@ -124,6 +125,11 @@ class ServingEngine:
         self.config = config
         self.runner = StreamingRunner("fp32")
         self.geometry = self.runner.geometry
+        self.tokenizer = CharTokenizer(self.runner.model.config.vocab_size)
+        # Hugging Face files of the tokenizer, for clients that tokenize themselves (sglang.bench_serving
+        # reads `tokenizer_path` from /model_info); ours, removed on close.
+        self.tokenizer_dir = self.tokenizer.write_hf_tokenizer(
+            Path(tempfile.mkdtemp(prefix="histate-serve-tokenizer-")), config.max_context_num_tokens)
         self._temp_dir = None
         self.executor: Optional[ReferenceExecutor] = None
         self._ssd = None
@@ -142,7 +148,8 @@ class ServingEngine:
                 "kv_bytes_per_token": self.geometry.kv_bytes_per_token,
                 "checkpoint_size_bytes": self.geometry.checkpoint_size_bytes,
                 "capacity_bytes": {t.name.lower(): v for t, v in c.capacity_bytes.items()},
-                "max_context_num_tokens": c.max_context_num_tokens}
+                "tokenizer_path": str(self.tokenizer_dir),
+                "max_context_num_tokens": c.max_context_num_tokens, "max_new_tokens": c.max_new_tokens}
 
     def submit(self, job: Job) -> None:
         job.enqueued_s = time.monotonic()
@@ -156,6 +163,7 @@ class ServingEngine:
         self._jobs.put(None)
         self._thread.join(timeout=60)
         self._close_ssd()
+        shutil.rmtree(self.tokenizer_dir, ignore_errors=True)
 
     # --- worker --------------------------------------------------------------------------------
     def _work(self) -> None:

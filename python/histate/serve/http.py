@@ -1,18 +1,23 @@
-"""HTTP front of `histate serve`: the API subset `histate bench` (and SGLang's own clients) use.
+"""HTTP front of `histate serve`: the API subset `histate bench`, SGLang's `bench_serving` and OpenAI clients use.
 
-  POST /generate         SGLang native: `input_ids`, `sampling_params.max_new_tokens` (ignore_eos is
+  POST /generate         SGLang native: `text` or `input_ids`, `sampling_params.max_new_tokens` (ignore_eos is
                          implied: there is no EOS, every request produces exactly max_new_tokens),
-                         `stream`. Events `data: {"text", "output_ids", "meta_info"}` then `data: [DONE]`,
-                         meta_info as SGLang's (prompt_tokens, completion_tokens, cached_tokens, and at
-                         the end cached_tokens_details by tier) plus `histate` (kv_hit_tokens, the
-                         checkpoint's tier, queue and serve time)
-  POST /v1/completions   OpenAI completions with a token-id `prompt`, `max_tokens`, `stream`,
-                         `stream_options.include_usage`; usage.prompt_tokens_details.cached_tokens
-  GET  /v1/models, /get_model_info, /health;  POST /flush_cache (empties every tier)
+                         `stream`. Events `data: {"text", "output_ids", "meta_info"}` then `data: [DONE]`;
+                         `text` and `output_ids` are cumulative, as SGLang streams them; meta_info as
+                         SGLang's (prompt_tokens, completion_tokens, cached_tokens, and at the end
+                         cached_tokens_details by tier) plus `histate` (kv_hit_tokens, the checkpoint's
+                         tier, queue and serve time)
+  POST /v1/completions   OpenAI completions with a text or token-id `prompt`, `max_tokens`, `stream`,
+                         `stream_options.include_usage`; one chunk per token with that token's text;
+                         usage.prompt_tokens_details.cached_tokens
+  GET  /v1/models, /model_info (and /get_model_info), /health;  POST /flush_cache (empties every tier)
 
-Sampling is greedy whatever `temperature` says, and there is no tokenizer: prompts are token ids
-only and `text` is always "" (the model has random weights; its tokens mean nothing). Bad requests
-get HTTP 400 with `{"error": {"message", "type", "code"}}`, as SGLang answers them.
+Text is the reference tokenizer's (histate/reference/tokenizer.py: one character per token), so every
+streamed token carries non-empty text -- what SGLang's and OpenAI's clients stamp TTFT on. Which
+request fields are served, accepted or refused is api.py's; sampling is greedy whatever `temperature`
+says (the model has random weights; its tokens mean nothing). Bad requests get HTTP 400 with
+`{"error": {"message", "type", "code"}}`, as SGLang answers them. A client that hangs up mid-stream
+stops its request's decoding, quietly: it is an ordinary event for a server, not an error.
 """
 from __future__ import annotations
 
@@ -26,15 +31,11 @@ from typing import Optional
 from aiohttp import web
 
 from ..core import Tier
+from .api import MODEL_NAME, BadRequest, GenerateCall, Limits, parse_completion, parse_generate
 from .engine import Job, ServingEngine
 
-MODEL_NAME = "histate-tiny-qwen3.5"
 ENGINE = web.AppKey("engine", ServingEngine)
 _ids = itertools.count()
-
-
-class BadRequest(ValueError):
-    pass
 
 
 def build_app(engine: ServingEngine) -> web.Application:
@@ -42,7 +43,7 @@ def build_app(engine: ServingEngine) -> web.Application:
     app[ENGINE] = engine
     app.add_routes([
         web.post("/generate", _generate), web.post("/v1/completions", _completions),
-        web.get("/v1/models", _models), web.get("/get_model_info", _model_info),
+        web.get("/v1/models", _models), web.get("/model_info", _model_info), web.get("/get_model_info", _model_info),
         web.get("/health", _health), web.post("/flush_cache", _flush),
     ])
     return app
@@ -60,26 +61,8 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
-def _token_ids(value, field: str, engine: ServingEngine) -> list:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
-        value = value[0]  # OpenAI: a batch of one prompt
-    if not isinstance(value, list) or not value:
-        raise BadRequest(f"{field} must be a non-empty list of token ids (this server has no tokenizer)")
-    vocab = engine.info()["vocab_size"]
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value):
-        raise BadRequest(f"{field}: every token id must be an integer in [0, {vocab})")
-    limit = engine.config.max_context_num_tokens
-    if len(value) > limit:
-        raise BadRequest(f"{field}: {len(value)} tokens exceed the max context of {limit}")
-    return value
-
-
-def _count(value, field: str, default: int, engine: ServingEngine) -> int:
-    value = default if value is None else value
-    limit = engine.config.max_new_tokens
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-        raise BadRequest(f"{field} must be an integer in [1, {limit}], got {value!r}")
-    return value
+def _limits(engine: ServingEngine) -> Limits:
+    return Limits(engine.tokenizer, engine.config.max_context_num_tokens, engine.config.max_new_tokens)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -92,12 +75,12 @@ def _error(message: str, status: int = 400) -> web.Response:
 class _Stream:
     """A submitted job's events, delivered on the event loop."""
 
-    def __init__(self, engine: ServingEngine, token_ids: list, max_new_tokens: int) -> None:
+    def __init__(self, engine: ServingEngine, call: GenerateCall) -> None:
         loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
-        self.job = Job(token_ids, max_new_tokens,
+        self.job = Job(call.token_ids, call.max_new_tokens,
                        lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
-        self.rid = f"{next(_ids):x}"
+        self.rid = call.rid or f"{next(_ids):x}"
         self.started_s = time.monotonic()
         engine.submit(self.job)
 
@@ -109,11 +92,11 @@ class _Stream:
                 return
 
 
-async def _run(request: web.Request, token_ids: list, max_new_tokens: int, stream: bool, fmt) -> web.StreamResponse:
+async def _run(request: web.Request, call: GenerateCall, fmt) -> web.StreamResponse:
     """Submit the job and answer: an event per token when streaming, one JSON object otherwise.
-    `fmt(job, token_ids, output_ids, cached_tokens, done, stream)` -> the payloads to send."""
+    `fmt(job, call, output_ids, cached_tokens, done)` -> the payloads to send."""
     engine = request.app[ENGINE]
-    job = _Stream(engine, token_ids, max_new_tokens)
+    job = _Stream(engine, call)
     response: Optional[web.StreamResponse] = None
     output_ids: list = []
     try:
@@ -125,21 +108,23 @@ async def _run(request: web.Request, token_ids: list, max_new_tokens: int, strea
                 break
             if kind == "token":
                 output_ids.append(data[0])
-                if stream:
+                if call.stream:
                     if response is None:
                         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                                "Cache-Control": "no-cache"})
                         await response.prepare(request)
-                    for payload in fmt(job, token_ids, output_ids, data[1], None, stream):
+                    for payload in fmt(job, call, output_ids, data[1], None):
                         await _send(response, payload)
                 continue
-            payloads = fmt(job, token_ids, output_ids, data[0]["cached_tokens"], data[0], stream)
-            if not stream:
+            payloads = fmt(job, call, output_ids, data[0]["cached_tokens"], data[0])
+            if not call.stream:
                 return web.json_response(payloads[0])
             for payload in payloads:
                 await _send(response, payload)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+        return response
+    except ConnectionResetError:  # the client hung up (aiohttp's ClientConnectionResetError is one)
         return response
     finally:
         job.job.cancel()  # no-op once done; stops decoding early if the client went away
@@ -149,56 +134,62 @@ async def _send(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
 
+def _cached_tokens_details(done: dict) -> dict:
+    """SGLang's cached_tokens_details: reused tokens per cache source."""
+    by_tier = done["cached_tokens_by_tier"]
+    return {"device": by_tier.get(Tier.GPU, 0), "host": by_tier.get(Tier.CPU, 0), "storage": by_tier.get(Tier.SSD, 0)}
+
+
 # --- SGLang /generate ----------------------------------------------------------------------------
 
-def _sglang_payloads(job: _Stream, token_ids, output_ids, cached_tokens, done: Optional[dict], stream) -> list:
-    meta = {"id": job.rid, "finish_reason": None, "prompt_tokens": len(token_ids),
-            "completion_tokens": len(output_ids), "cached_tokens": cached_tokens,
-            "e2e_latency": time.monotonic() - job.started_s}
-    if done is not None:
-        meta["finish_reason"] = {"type": "length", "length": len(output_ids)}
-        by_tier = done["cached_tokens_by_tier"]
-        if cached_tokens:  # SGLang's cached_tokens_details: tokens per cache source
-            meta["cached_tokens_details"] = {"device": by_tier.get(Tier.GPU, 0), "host": by_tier.get(Tier.CPU, 0),
-                                             "storage": by_tier.get(Tier.SSD, 0)}
-        meta["histate"] = {k: done[k] for k in ("kv_hit_tokens", "checkpoint_tier", "planned_checkpoint_pages",
-                                                "queue_s", "serve_s")}
-    return [{"text": "", "output_ids": list(output_ids), "meta_info": meta}]
+def _sglang_payloads(tokenizer):
+    def fmt(job: _Stream, call: GenerateCall, output_ids, cached_tokens, done: Optional[dict]) -> list:
+        meta = {"id": job.rid, "finish_reason": None, "prompt_tokens": len(call.token_ids),
+                "completion_tokens": len(output_ids), "cached_tokens": cached_tokens,
+                "e2e_latency": time.monotonic() - job.started_s}
+        if done is not None:
+            meta["finish_reason"] = {"type": "length", "length": len(output_ids)}
+            if cached_tokens:
+                meta["cached_tokens_details"] = _cached_tokens_details(done)
+            meta["histate"] = {k: done[k] for k in ("kv_hit_tokens", "checkpoint_tier", "planned_checkpoint_pages",
+                                                    "queue_s", "serve_s")}
+        return [{"text": tokenizer.decode(output_ids), "output_ids": list(output_ids), "meta_info": meta}]
+
+    return fmt
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
-        body = await _json_body(request)
-        if "text" in body and "input_ids" not in body:
-            raise BadRequest("text prompts are not supported: send input_ids (this server has no tokenizer)")
-        token_ids = _token_ids(body.get("input_ids"), "input_ids", engine)
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            raise BadRequest("sampling_params must be an object")
-        max_new = _count(params.get("max_new_tokens"), "sampling_params.max_new_tokens", 128, engine)
+        call = parse_generate(await _json_body(request), _limits(engine))
     except BadRequest as err:
         return _error(str(err))
-    return await _run(request, token_ids, max_new, bool(body.get("stream")), _sglang_payloads)
+    return await _run(request, call, _sglang_payloads(engine.tokenizer))
 
 
 # --- OpenAI /v1/completions ----------------------------------------------------------------------
 
-def _openai_payloads(include_usage: bool):
-    def fmt(job: _Stream, token_ids, output_ids, cached_tokens, done: Optional[dict], stream) -> list:
+def _openai_payloads(tokenizer):
+    def fmt(job: _Stream, call: GenerateCall, output_ids, cached_tokens, done: Optional[dict]) -> list:
         base = {"id": f"cmpl-{job.rid}", "object": "text_completion", "created": int(time.time()),
                 "model": MODEL_NAME}
-        finish = None if done is None else "length"
-        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
-        usage = {"prompt_tokens": len(token_ids), "completion_tokens": len(output_ids),
-                 "total_tokens": len(token_ids) + len(output_ids),
+        usage = {"prompt_tokens": len(call.token_ids), "completion_tokens": len(output_ids),
+                 "total_tokens": len(call.token_ids) + len(output_ids),
                  "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-        if not stream:
+        if not call.stream:
+            choice = {"index": 0, "text": tokenizer.decode(output_ids), "logprobs": None, "finish_reason": "length"}
             return [{**base, "choices": [choice], "usage": usage}]
-        if done is None:
+        if done is None:  # one chunk per token, with that token's text
+            choice = {"index": 0, "text": tokenizer.token_text(output_ids[-1]), "logprobs": None, "finish_reason": None}
             return [{**base, "choices": [choice], "usage": None}]
-        return [{**base, "choices": [choice], "usage": None}] + \
-            ([{**base, "choices": [], "usage": usage}] if include_usage else [])
+        finish = {**base, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
+                  "usage": None}
+        if not call.include_usage:
+            return [finish]
+        last = {**base, "choices": [], "usage": usage}
+        if call.cache_details:  # SGLang's extension, where its bench_serving --cache-report reads it
+            last["sglext"] = {"cached_tokens_details": _cached_tokens_details(done)}
+        return [finish, last]
 
     return fmt
 
@@ -206,16 +197,10 @@ def _openai_payloads(include_usage: bool):
 async def _completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
-        body = await _json_body(request)
-        token_ids = _token_ids(body.get("prompt"), "prompt", engine)
-        max_new = _count(body.get("max_tokens"), "max_tokens", 16, engine)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise BadRequest("stream_options must be an object")
+        call = parse_completion(await _json_body(request), _limits(engine))
     except BadRequest as err:
         return _error(str(err))
-    fmt = _openai_payloads(bool(options.get("include_usage")))
-    return await _run(request, token_ids, max_new, bool(body.get("stream")), fmt)
+    return await _run(request, call, _openai_payloads(engine.tokenizer))
 
 
 # --- info ------------------------------------------------------------------------------------------
@@ -226,7 +211,8 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _model_info(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE].info())
+    """SGLang's /model_info fields (model_path, tokenizer_path, is_generation) plus histate serve's own."""
+    return web.json_response({**request.app[ENGINE].info(), "served_model_name": MODEL_NAME})
 
 
 async def _health(request: web.Request) -> web.Response:

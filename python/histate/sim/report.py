@@ -8,6 +8,7 @@ policy that was not replayed) is written as null, its key kept. Plots use matplo
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import math
 import tempfile
@@ -17,6 +18,17 @@ from typing import Mapping
 from .metrics import PolicyRun, recovered_fraction, reuse_sensitive_uids, speedups, summarize
 
 REPORT_FILES = ("summary.json", "requests.csv", "ttft_cdf.png", "per_request.png")
+COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+           "tab:olive", "tab:cyan")
+LINESTYLES = ("-", "--", ":", "-.")
+_COHORT_THRESHOLD = inspect.signature(reuse_sensitive_uids).parameters["threshold"].default
+
+
+def cohort_definition() -> str:
+    """What "reuse-sensitive" means (metrics.reuse_sensitive_uids), in words for a plot."""
+    points = f"{_COHORT_THRESHOLD * 100:g} points"
+    return (f"reuse-sensitive = vllm-disk hit rate >= {points} below unlimited's, "
+            f"or histate and vllm-disk hit rates >= {points} apart")
 
 
 def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi") -> dict:
@@ -131,12 +143,36 @@ def _plots(runs: Mapping[str, PolicyRun], out_dir: Path) -> list:
     except ImportError:  # the `sim` extra brings matplotlib; without it the tables still stand
         print("matplotlib not installed: skipping plots")
         return []
-    written = []
+    written = [_save(ttft_cdf_figure(runs, plt), out_dir / "ttft_cdf.png", plt)]
+    cohort = reuse_sensitive_uids(runs)
+    if cohort:
+        written.append(_save(per_request_figure(runs, cohort, plt), out_dir / "per_request.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def line_styles(names) -> dict:
+    """name -> (colour, linestyle), different for every name: ten colours, then the ten again with the
+    next line style (the simulator has more policies than a colour cycle has colours)."""
+    return {name: (COLOURS[i % len(COLOURS)], LINESTYLES[i // len(COLOURS) % len(LINESTYLES)])
+            for i, name in enumerate(names)}
+
+
+def ttft_cdf_figure(runs: Mapping[str, PolicyRun], plt):
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = line_styles(runs)
     for name, run in runs.items():
         xs = sorted(r.ttft_s for r in run.records if not math.isnan(r.first_token_s))
         if xs:
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name, lw=1.2)
+            colour, linestyle = styles[name]
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name, lw=1.2, color=colour,
+                    linestyle=linestyle)
     ax.set_xscale("symlog", linthresh=0.1)
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests")
@@ -144,20 +180,12 @@ def _plots(runs: Mapping[str, PolicyRun], out_dir: Path) -> list:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title("TTFT CDF per policy (upper half)")
-    path = out_dir / "ttft_cdf.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-    cohort = reuse_sensitive_uids(runs)
-    if cohort:
-        written.append(_per_request_panel(runs, cohort, out_dir, plt))
-    return written
+    return fig
 
 
-def _per_request_panel(runs, cohort, out_dir: Path, plt) -> Path:
+def per_request_figure(runs, cohort, plt):
     """Figure-9 style: hit rate, TTFT and TTFT normalised to vllm-disk on the reuse-sensitive cohort,
-    ordered by the hit-rate gap between unlimited and vllm-disk."""
+    ordered by the hit-rate gap between unlimited and vllm-disk; the title says what the cohort is."""
     base, top, ours = runs["vllm-disk"].by_uid(), runs["unlimited"].by_uid(), runs["histate"].by_uid()
     order = sorted(cohort, key=lambda u: (ours[u].hit_rate < base[u].hit_rate,
                                           -(top[u].hit_rate - base[u].hit_rate)))
@@ -172,12 +200,10 @@ def _per_request_panel(runs, cohort, out_dir: Path, plt) -> Path:
     axes[1].set_ylabel("TTFT (s)")
     axes[1].set_yscale("log")
     axes[2].set_ylabel("TTFT / vllm-disk")
-    axes[2].set_xlabel("reuse-sensitive requests")
+    axes[2].set_xlabel(f"the {len(order):,} reuse-sensitive requests, by the hit-rate gap between unlimited and "
+                       f"vllm-disk (histate below vllm-disk last)")
     axes[0].legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)
-    path = out_dir / "per_request.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    fig.suptitle(f"Per request, reuse-sensitive cohort\n{cohort_definition()}", fontsize=9)
+    return fig
