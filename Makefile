@@ -52,6 +52,9 @@ bench: venv  ## run every benchmark and print tables (numbers go to docs/results
 	$(VPY) benchmark/sim_substrate.py
 	$(VPY) benchmark/sglang_ops.py
 
+golden: venv  ## regenerate test/core/golden_core.json and test/sim/golden_replay.json (the only writer: tests never rewrite them); prints what moved -- review `git diff` before committing
+	$(VPY) test/update_golden.py
+
 size:  ## line counts per module
 	@find python/histate -name '*.py' | xargs wc -l | sort -n
 

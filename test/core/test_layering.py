@@ -89,20 +89,37 @@ def test_executors_import_only_the_cores_public_names():
 
 
 
+def _imported_test_modules(path: Path, test_modules: set) -> list:
+    """(line, name) of every absolute import in `path` that names a test module or the `test` package,
+    and of every `importlib.import_module` / `__import__` call with such a literal name. Relative imports
+    stay inside their own package, so they cannot reach test/."""
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id == "__import__"))):
+            names = [node.args[0].value]
+        else:
+            continue
+        hits += [(node.lineno, n) for n in names if n.split(".")[0] in test_modules | {"test"}]
+    return hits
+
+
 def test_nothing_outside_the_test_suite_imports_test_modules():
-    """Benchmarks and the package must not depend on test/ (its CPU stubs are a test bootstrap only)."""
+    """Benchmarks and the package must not depend on test/ (its CPU stubs are a test bootstrap only).
+    Every file is checked, not only those that edit sys.path: an installed test package, a PYTHONPATH or
+    the current directory can make such an import work without any sys.path line in the file."""
     root = CORE.parents[2]
     test_modules = {p.stem for p in (root / "test").rglob("*.py")} - {"__init__", "conftest"}
-    offenders = []
-    for path in list((root / "python").rglob("*.py")) + list((root / "benchmark").glob("*.py")):
-        source = path.read_text()
-        if "sys.path" in source and "test" in source and ("insert" in source or "append" in source):
-            for node in ast.walk(ast.parse(source)):
-                if isinstance(node, (ast.Import, ast.ImportFrom)):
-                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                    hit = [n for n in names if n.split(".")[0] in test_modules or n.startswith("test.")]
-                    if hit:
-                        offenders.append(f"{path.relative_to(root)}:{node.lineno} imports {hit}")
+    files = list((root / "python").rglob("*.py")) + list((root / "benchmark").rglob("*.py"))
+    assert len(files) > 50  # the walk found the tree (a wrong root would check nothing)
+    offenders = [f"{path.relative_to(root)}:{line} imports {name}"
+                 for path in files for line, name in _imported_test_modules(path, test_modules)]
     assert not offenders, "modules outside test/ import test code:\n" + "\n".join(offenders)
 
 

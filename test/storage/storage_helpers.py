@@ -53,3 +53,17 @@ def snapshot_tree(root) -> dict[str, bytes]:
             with open(path, "rb") as fh:
                 out[rel] = fh.read()
     return out
+
+
+def root_id_of(root) -> int:
+    """The random id a store root's marker records (what its files carry as proof of ownership)."""
+    from histate.storage.ownership import MARKER_NAME, parse_marker
+
+    with open(os.path.join(root, MARKER_NAME), "rb") as fh:
+        return parse_marker(fh.read())
+
+
+def temp_name_in(root, final_path: str, pid: int = 999, n: int = 1) -> str:
+    """Where a write to `final_path` that died would have left its temp file."""
+    stem = final_path.rsplit(".", 1)[0]
+    return f"{stem}.tmp-{root_id_of(root):016x}-{pid}-{n}"

@@ -77,3 +77,50 @@ def test_concurrent_mixed_workload_serves_only_written_bytes(make_store):
         assert r.hit
         check(r)
     assert errors == []
+
+
+def test_a_get_into_a_buffer_sized_for_a_replaced_object_is_a_miss(make_store):
+    """The caller sized `out` for the stored object; a put of another size replaced the key before the
+    get ran. That is a miss (`size_mismatch`), as any other lost race is, never an exception in the
+    caller (before: `ValueError` from `get`, which the SGLang backend's `batch_get` did not expect)."""
+    store = make_store()
+    store.put("k", np.ones(5000, np.uint8))
+    out = np.empty(store.payload_bytes("k"), np.uint8)
+    store.put("k", np.full(7000, 2, np.uint8))  # the concurrent put, already published
+    r = store.get("k", out=out)
+    assert r.fault is Fault.SIZE_MISMATCH and r.buffer is None
+    assert store.submit_get(["k", "k"], out=[out, np.empty(7000, np.uint8)]).wait(10)[0].fault is Fault.SIZE_MISMATCH
+    assert store.stats_snapshot()["misses"] == {"size_mismatch": 2}
+    assert store.get("k", out=np.empty(7000, np.uint8)).array()[0] == 2
+
+
+def test_readers_with_fixed_buffers_under_puts_that_change_the_size(make_store):
+    """A reader keeps one buffer for the small version while a writer alternates sizes: every get is a
+    hit with the small version's bytes or a `size_mismatch` miss, and none raises."""
+    store = make_store(num_workers=2)
+    small, large = np.full(5000, 1, np.uint8), np.full(9000, 2, np.uint8)
+    store.put("k", small)
+    stop, errors = threading.Event(), []
+
+    def writer():
+        for i in range(150):
+            store.put("k", large if i % 2 else small)
+        stop.set()
+
+    def reader():
+        out = np.empty(small.size, np.uint8)
+        while not stop.is_set():
+            try:
+                r = store.get("k", out=out)
+            except Exception as exc:  # the bug: the race surfaced as an exception
+                errors.append(repr(exc))
+                return
+            if (r.hit and not np.array_equal(out, small)) or (not r.hit and r.fault is not Fault.SIZE_MISMATCH):
+                errors.append(f"{r.fault}: {out[:4]}")
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []

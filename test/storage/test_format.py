@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from histate.storage.format import (ALIGN_BYTES, CHECKSUM_CRC32, CHECKSUM_XXH3, DEAD, LIVE, FileHeader, FormatError,
-                                    ItemSpec, build_header, chunk_checksum, chunk_seed, decode_header, encode_header,
-                                    file_bytes_for, header_bytes_for, item_seed, num_chunks_for)
+                                    ItemSpec, build_header, chunk_checksum, chunk_seed, claimed_root_id, decode_header,
+                                    encode_header, file_bytes_for, header_bytes_for, item_seed, num_chunks_for)
 
 
 def _sums(spec, chunk_bytes, algo, seq):
@@ -83,7 +83,7 @@ def test_truncated_zeroed_and_foreign_headers_are_rejected():
         decode_header(raw[:20])
     with pytest.raises(FormatError, match="magic"):
         decode_header(bytes(len(raw)))
-    for version in (1, 3):
+    for version in (2, 4):  # older stores (no root id) and future ones
         other = bytearray(raw)
         struct.pack_into("<H", other, 8, version)
         with pytest.raises(FormatError, match=f"version {version}"):
@@ -119,3 +119,19 @@ def test_checksums_differ_by_algorithm_seed_and_detect_one_bit():
         seeds = {item_seed("a", 1), item_seed("b", 1), item_seed("a", 2), chunk_seed(item_seed("a", 1), 1)}
         assert len({chunk_checksum(data, algo, s) for s in seeds}) == 4
     assert chunk_checksum(data, CHECKSUM_XXH3) == xxhash.xxh3_64_intdigest(data.tobytes()) & 0xFFFFFFFF
+
+
+def test_the_root_id_round_trips_and_reads_from_a_damaged_header():
+    """The root id is the file's proof of ownership (ownership.py): it must survive the codec and stay
+    readable at its fixed offset when the header around it no longer decodes."""
+    spec = ItemSpec("k", 10, "|u1", (10,))
+    sums = [_sums(spec, 4096, CHECKSUM_CRC32, 5)]
+    h = build_header(5, 4096, CHECKSUM_CRC32, [spec], sums, root_id=0xDEADBEEF12345678)
+    raw = bytearray(encode_header(h))
+    assert decode_header(bytes(raw))[0].root_id == 0xDEADBEEF12345678
+    raw[:8] = b"GARBAGE!"  # magic gone: the header no longer decodes
+    raw[60] ^= 0xFF
+    with pytest.raises(FormatError):
+        decode_header(bytes(raw))
+    assert claimed_root_id(bytes(raw)) == 0xDEADBEEF12345678
+    assert claimed_root_id(b"short") is None

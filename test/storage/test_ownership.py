@@ -6,11 +6,12 @@ the store only looks at its naming scheme inside its 256 fan-out directories.
 """
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
 
-from histate.storage import CheckpointStore, StoreConfig, StoreDirectoryError
+from histate.storage import CheckpointStore, Fault, StoreConfig, StoreDirectoryError
 
 from storage_helpers import files_under, snapshot_tree
 
@@ -110,3 +111,51 @@ def test_a_garbled_marker_is_refused(tmp_path, backend):
         fh.write("something else\n")
     with pytest.raises(StoreDirectoryError, match="HISTATE-STORE"):
         _open(root, backend)
+
+
+def test_a_copied_marker_proves_nothing_about_the_files_beside_it(tmp_path, backend):
+    """A user copies a store's marker into a project whose files are named like the store's (`ab/Util.hs`,
+    a pack name, a temp name). The store opens the directory -- the marker is genuine -- but none of
+    those files carries the root id the marker records, so none is deleted at restart, none is replaced
+    by a put of the same name, none is served; they are counted foreign. (Before: the restart deleted
+    every one of them as a torn or corrupt file of its own.)"""
+    store_root, project = tmp_path / "store", tmp_path / "project"
+    _open(store_root, backend).close()
+    planted = {"ab/Util.hs": b"module Util where\n", "ab/0000000000000001.hsp": b"not a pack\n",
+               "ab/Main.tmp-1-1": b"an editor's swap file\n",
+               "ab/Main.tmp-0123456789abcdef-1-1": b"a temp file of another root\n",  # not the marker's id
+               "ab/Big.hs": b"HSTSTORE" + bytes(8192)}  # store magic, no root id: still not provably ours
+    for rel, data in {**PROJECT, **planted}.items():
+        os.makedirs(project / os.path.dirname(rel), exist_ok=True)
+        (project / rel).write_bytes(data)
+    shutil.copyfile(store_root / "HISTATE-STORE", project / "HISTATE-STORE")
+    before = snapshot_tree(project)
+    store = _open(project, backend)
+    assert store.keys() == [] and store.rebuild_report.discarded == 0
+    assert store.rebuild_report.foreign >= len(planted)
+    util = store.layout.object_location("Util")
+    os.makedirs(project / util.fanout, exist_ok=True)
+    (project / util.fanout / util.name).write_bytes(b"module Util where\n")  # where put("Util") must land
+    before[os.path.join(util.fanout, util.name)] = b"module Util where\n"
+    assert store.put("Util", np.arange(100, dtype=np.int32)).fault is Fault.UNSAFE_PATH
+    assert store.put("Other", np.arange(100, dtype=np.int32)).stored  # its own files it may add
+    store.close()
+    store = _open(project, backend)  # restart: rebuild again
+    assert store.keys() == ["Other"]
+    store.close()
+    after = snapshot_tree(project)
+    assert {p: v for p, v in after.items() if p in before} == before  # not one user file changed or removed
+
+
+def test_a_format_2_store_is_refused_untouched(tmp_path, backend):
+    """Its marker (and its files) carry no root id: the store cannot tell its files from a user's."""
+    root = tmp_path / "old"
+    root.mkdir()
+    (root / "HISTATE-STORE").write_bytes(
+        b"histate.storage root (format 2). The store owns only its own file names in 00..ff.\n")
+    (root / "ab").mkdir()
+    (root / "ab" / "k.hs").write_bytes(b"x" * 5000)
+    before = snapshot_tree(root)
+    with pytest.raises(StoreDirectoryError, match="format 2"):
+        _open(root, backend)
+    assert snapshot_tree(root) == before

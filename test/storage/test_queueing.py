@@ -19,12 +19,12 @@ def gated(monkeypatch):
     gate, started, order = threading.Event(), threading.Event(), []
     real_write, real_read = store_mod.write_items, store_mod.read_items
 
-    def write_items(sess, f, seq, specs, *args):
+    def write_items(sess, f, seq, specs, *args, **kw):
         order.append(("put", specs[0].key))
         if specs[0].key == "blocker":
             started.set()
             assert gate.wait(30)
-        return real_write(sess, f, seq, specs, *args)
+        return real_write(sess, f, seq, specs, *args, **kw)
 
     def read_items(sess, f, header, indices, *args):
         order.append(("get", header.items[indices[0]].key))

@@ -8,7 +8,7 @@ import pytest
 from histate.storage import Fault
 from histate.storage.layout import encode_key
 
-from storage_helpers import files_under, versioned_payload
+from storage_helpers import files_under, temp_name_in, versioned_payload
 
 
 def _populate(store, n=6, nbytes=300_000):
@@ -25,8 +25,10 @@ def test_rebuild_keeps_good_files_and_discards_bad_ones(make_store, tmp_path):
     assert {p.split(os.sep)[-3] for p in paths.values()} == {"a", "b"}
     store.close()
     # plant the debris a crash or a bad disk leaves behind
-    torn_tmp = paths["ckpt-0"].replace(".hs", ".tmp-999-1")
+    torn_tmp = temp_name_in(os.path.dirname(os.path.dirname(paths["ckpt-0"])), paths["ckpt-0"])
     shutil.copyfile(paths["ckpt-0"], torn_tmp)
+    not_our_tmp = paths["ckpt-0"].replace(".hs", ".tmp-999-1")  # the temp name of no root (older stores')
+    shutil.copyfile(paths["ckpt-0"], not_our_tmp)
     with open(paths["ckpt-1"], "r+b") as fh:
         fh.write(b"GARBAGE!")
     os.truncate(paths["ckpt-2"], 8192)
@@ -44,7 +46,7 @@ def test_rebuild_keeps_good_files_and_discards_bad_ones(make_store, tmp_path):
         assert np.array_equal(store.get(k).buffer, arrays[k])
     left = files_under(tmp_path)
     assert torn_tmp not in left and misnamed not in left and paths["ckpt-1"] not in left
-    assert foreign in left
+    assert foreign in left and not_our_tmp in left and report.foreign == 2
     assert store.used_bytes == sum(os.path.getsize(paths[k]) for k in store.keys())
 
 

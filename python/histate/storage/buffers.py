@@ -79,24 +79,21 @@ def source_view(obj) -> tuple[np.ndarray, str, tuple[int, ...]]:
     return flat, "|u1", (flat.size,)
 
 
-def destination_view(obj, num_bytes: int) -> np.ndarray:
-    """Flat writable uint8 view of a caller-supplied read destination of exactly `num_bytes`."""
+def destination_bytes(obj) -> np.ndarray:
+    """Flat writable uint8 view of a caller-supplied read destination (any size). Raises ValueError /
+    TypeError for what can never be a destination (read-only, non-contiguous, not a buffer)."""
     if type(obj) is np.ndarray and obj.flags.c_contiguous and obj.flags.writeable:  # the common case
-        flat = obj if obj.dtype is _UINT8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
-    elif _is_torch_tensor(obj):
-        flat = _torch_bytes(obj, writable=True)
-    elif isinstance(obj, np.ndarray):
+        return obj if obj.dtype is _UINT8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
+    if _is_torch_tensor(obj):
+        return _torch_bytes(obj, writable=True)
+    if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous or not obj.flags.writeable:
             raise ValueError("destination array must be C-contiguous and writable")
-        flat = obj.reshape(-1).view(np.uint8)
-    else:
-        mv = memoryview(obj)
-        if mv.readonly or not mv.c_contiguous:
-            raise ValueError("destination buffer must be writable and C-contiguous")
-        flat = np.frombuffer(mv.cast("B") if mv.ndim else mv, dtype=np.uint8)
-    if flat.size != num_bytes:
-        raise ValueError(f"destination holds {flat.size} bytes, the stored object has {num_bytes}")
-    return flat
+        return obj.reshape(-1).view(np.uint8)
+    mv = memoryview(obj)
+    if mv.readonly or not mv.c_contiguous:
+        raise ValueError("destination buffer must be writable and C-contiguous")
+    return np.frombuffer(mv.cast("B") if mv.ndim else mv, dtype=np.uint8)
 
 
 def typed_view(flat: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:

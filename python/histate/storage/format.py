@@ -1,11 +1,11 @@
-"""On-disk file format (version 2): one header, then the payloads of one or more items.
+"""On-disk file format (version 3): one header, then the payloads of one or more items.
 
 A file holds one object (named by its key) or a pack of several (a batch of KV pages, named by its
 sequence number). Layout, little-endian::
 
     [0, header_bytes)     header, zero-padded to a multiple of ALIGN_BYTES
         magic "HSTSTORE" | u16 version | u16 flags (low 4 bits: payload checksum algorithm)
-        | u32 header_bytes | u64 seq | u32 chunk_bytes | u32 num_items
+        | u32 header_bytes | u64 seq | u32 chunk_bytes | u32 num_items | u64 root_id (at byte 32)
         | per item: u64 payload_bytes | u16 key_len | u16 dtype_len | u16 ndim | u16 reserved
         |           key (UTF-8) | dtype name (ASCII) | shape (ndim x u64) | u32 checksum per chunk
         | u32 CRC-32 of every header byte before it
@@ -20,7 +20,10 @@ can never be served under another key, from another version, or from another pla
 writes: when two files hold the same key, the higher one is the later write. The liveness bytes let
 one item of a pack be deleted durably (one byte written) while its neighbours stay; they sit outside
 the CRC because they change after the file is published, and any value but LIVE reads as deleted, so
-damage there can only turn a hit into a miss.
+damage there can only turn a hit into a miss. `root_id` is the random id of the store root the file
+was written in (its marker holds the same id, ownership.py): the proof that the store wrote the file,
+which a copy of the marker in someone else's directory cannot give to their files. It sits at a fixed
+offset so that it still reads when the rest of the header is damaged (`claimed_root_id`).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ except ImportError:  # the storage extra installs it; CRC-32 keeps the store wor
     xxhash = None
 
 MAGIC = b"HSTSTORE"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ALIGN_BYTES = 4096  # O_DIRECT alignment of buffer address, file offset and length (safe for 512e/4Kn)
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_KEY_BYTES = 1024
@@ -50,14 +53,16 @@ CHECKSUM_NAMES = {"crc32": CHECKSUM_CRC32, "xxh3": CHECKSUM_XXH3}
 DEFAULT_CHECKSUM = CHECKSUM_XXH3 if xxhash is not None else CHECKSUM_CRC32
 _FLAG_CHECKSUM_MASK = 0xF
 
-_FIXED = struct.Struct("<8sHHIQII")  # 32 bytes
+_FIXED = struct.Struct("<8sHHIQIIQ")  # 40 bytes
+_ROOT_ID = struct.Struct("<Q")
+ROOT_ID_OFFSET = 32  # where every version >= 3 keeps the root id
 _ITEM = struct.Struct("<QHHHH")  # 16 bytes
 _CRC = struct.Struct("<I")
 _SHAPES = [struct.Struct(f"<{ndim}Q") for ndim in range(MAX_NDIM + 1)]
 
 
 class FormatError(ValueError):
-    """A header that is not a valid version-2 header (torn, corrupt, foreign or future file)."""
+    """A header that is not a valid version-3 header (torn, corrupt, foreign, older or future file)."""
 
 
 def align_up(num_bytes: int, align_bytes: int = ALIGN_BYTES) -> int:
@@ -116,6 +121,7 @@ class FileHeader:
     chunk_bytes: int
     checksum_algo: int
     items: tuple[Item, ...]
+    root_id: int = 0  # the store root the file was written in (0: none; real ids are never 0)
 
     @cached_property
     def liveness_offset(self) -> int:
@@ -187,7 +193,7 @@ def encode_header(header: FileHeader, live: Sequence[bool] | None = None) -> byt
     if header.checksum_algo not in CHECKSUM_NAMES.values():
         raise FormatError(f"unknown checksum algorithm {header.checksum_algo}")
     parts = [_FIXED.pack(MAGIC, FORMAT_VERSION, header.checksum_algo, header.header_bytes, header.seq,
-                         header.chunk_bytes, n)]
+                         header.chunk_bytes, n, header.root_id)]
     for item in header.items:
         if len(item.chunk_checksums) != num_chunks_for(item.payload_bytes, header.chunk_bytes):
             raise FormatError(f"{len(item.chunk_checksums)} checksums for {item.payload_bytes} bytes")
@@ -220,7 +226,7 @@ def decode_header(buf) -> tuple[FileHeader, tuple[bool, ...]]:
     header_bytes = header_bytes_from_prefix(buf)
     if len(buf) < header_bytes:
         raise FormatError(f"header needs {header_bytes} bytes, got {len(buf)}")
-    _m, _v, flags, _hb, seq, chunk_bytes, n = _FIXED.unpack_from(buf)
+    _m, _v, flags, _hb, seq, chunk_bytes, n, root_id = _FIXED.unpack_from(buf)
     algo = flags & _FLAG_CHECKSUM_MASK
     if flags & ~_FLAG_CHECKSUM_MASK or algo not in CHECKSUM_NAMES.values():
         raise FormatError(f"unknown flags {flags:#x}")
@@ -253,12 +259,21 @@ def decode_header(buf) -> tuple[FileHeader, tuple[bool, ...]]:
         raise FormatError("header checksum mismatch")
     offsets = item_offsets([ItemSpec(k, b, d, s) for k, b, d, s, _ in specs], header_bytes)
     items = tuple(Item(k, b, d, s, sums, off) for (k, b, d, s, sums), off in zip(specs, offsets))
-    header = FileHeader(seq, chunk_bytes, algo, items)
+    header = FileHeader(seq, chunk_bytes, algo, items, root_id)
     if header.header_bytes != header_bytes:
         raise FormatError(f"header length field {header_bytes} != computed {header.header_bytes}")
     header.__dict__["body_crc"] = stored_crc  # cached_property storage
     live_at = pos + _CRC.size
     return header, tuple(b == LIVE for b in bytes(buf[live_at: live_at + n]))
+
+
+def claimed_root_id(prefix) -> int | None:
+    """The root id stored at ROOT_ID_OFFSET of a file's first bytes, read without any other check (the
+    rest of the header may be damaged), or None when the file is too short. Equal to a root's own random
+    64-bit id, it proves the store wrote the file there: nothing else carries that value by chance."""
+    if len(prefix) < ROOT_ID_OFFSET + _ROOT_ID.size:
+        return None
+    return _ROOT_ID.unpack_from(prefix, ROOT_ID_OFFSET)[0]
 
 
 def header_matches(buf, header: FileHeader) -> bool:
@@ -274,8 +289,9 @@ def header_matches(buf, header: FileHeader) -> bool:
 
 
 def build_header(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec],
-                 checksums: Sequence[Sequence[int]]) -> FileHeader:
-    """The header of a file about to be completed: specs in file order with their chunk checksums."""
+                 checksums: Sequence[Sequence[int]], root_id: int = 0) -> FileHeader:
+    """The header of a file about to be completed in the root `root_id`: specs in file order with
+    their chunk checksums."""
     records = [spec.record for spec in specs]
     liveness_offset = _FIXED.size + _CRC.size + sum(len(r) + 4 * len(c) for r, c in zip(records, checksums))
     header_bytes = align_up(liveness_offset + len(specs))
@@ -288,6 +304,6 @@ def build_header(seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec
         item.__dict__.update(key=spec.key, payload_bytes=spec.payload_bytes, dtype_name=spec.dtype_name,
                              shape=spec.shape, chunk_checksums=tuple(sums), offset=offset, record=record)
         items.append(item)
-    header = FileHeader(seq, chunk_bytes, algo, tuple(items))
+    header = FileHeader(seq, chunk_bytes, algo, tuple(items), root_id)
     header.__dict__.update(liveness_offset=liveness_offset, header_bytes=header_bytes)  # cached_property storage
     return header

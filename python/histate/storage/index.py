@@ -6,10 +6,12 @@ for the default eviction order. Bytes are accounted per file: a file counts in f
 one of its items is indexed (a pack's bytes are freed with its last item).
 
 Rebuild trusts nothing it did not write and touches nothing else: it only looks at names of the
-store's scheme inside the fan-out directories of roots the store owns (see ownership.py). Temp files
-are torn writes and are deleted; a final file is kept only if its header decodes, its name matches
-its content (the key of a single object, the sequence number of a pack) and its size matches the
-header. When two files hold the same key, the higher sequence number (the later write) wins and the
+store's scheme inside the fan-out directories of roots the store owns, and it removes a file only when
+the file proves the store wrote it in that root (the root id in a temp file's name or in a file's
+header, see ownership.py); a file of the scheme without that proof is left alone and counted foreign.
+Temp files are torn writes and are deleted; a final file is kept only if its header decodes, its name
+matches its content (the key of a single object, the sequence number of a pack) and its size matches
+the header. When two files hold the same key, the higher sequence number (the later write) wins and the
 other copy is deleted (a single object) or marked deleted in its pack. Payload checksums are verified
 on every read, so a file with a valid header but torn payload (possible after power loss, see
 docs/storage.md) becomes a miss when first read.
@@ -24,9 +26,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterator, NamedTuple
 
-from histate.storage.format import (ALIGN_BYTES, FileHeader, FormatError, Item, align_up, decode_header, encode_header,
-                                    header_bytes_from_prefix)
-from histate.storage.layout import Layout, Location, OBJECT_SUFFIX, classify_name, encode_key, pack_stem, PACK_SUFFIX
+from histate.storage.format import (ALIGN_BYTES, FileHeader, FormatError, Item, align_up, claimed_root_id,
+                                    decode_header, encode_header, header_bytes_from_prefix)
+from histate.storage.layout import (Layout, Location, OBJECT_SUFFIX, classify_name, encode_key, pack_stem, PACK_SUFFIX,
+                                    temp_root_id)
 from histate.storage.ownership import MARKER_NAME, OwnedRoot, StoreDirectoryError, remove_file
 from histate.storage.results import IoFault
 
@@ -149,20 +152,34 @@ class Index:
         return list(self._entries)
 
 
-def _read_header(dir_fd: int, name: str) -> tuple[FileHeader, tuple[bool, ...], os.stat_result]:
-    """Header, liveness and stat of a candidate file (non-blocking open: a FIFO is never waited on)."""
+class _Candidate(NamedTuple):
+    """What rebuild reads of a file of the scheme: whose it claims to be, and its header if it decodes."""
+
+    root_id: int | None  # the root id at its fixed offset (None: too short, or not a regular file)
+    header: FileHeader | None  # None: the header does not decode
+    live: tuple[bool, ...]
+    size_bytes: int
+    mtime_s: float
+
+
+def _read_candidate(dir_fd: int, name: str) -> _Candidate:
+    """One open per file (non-blocking: a FIFO is never waited on). Raises OSError when unreadable."""
     fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FormatError("not a regular file")
+            return _Candidate(None, None, (), st.st_size, st.st_mtime)
         prefix = os.pread(fd, ALIGN_BYTES, 0)
-        header_bytes = header_bytes_from_prefix(prefix)
-        rest = os.pread(fd, header_bytes - len(prefix), len(prefix)) if header_bytes > len(prefix) else b""
+        try:
+            header_bytes = header_bytes_from_prefix(prefix)
+            header_bytes = min(header_bytes, st.st_size)  # a damaged length field must not size the read
+            rest = os.pread(fd, header_bytes - len(prefix), len(prefix)) if header_bytes > len(prefix) else b""
+            header, live = decode_header(prefix + rest)
+        except FormatError:
+            header, live = None, ()
     finally:
         os.close(fd)
-    header, live = decode_header(prefix + rest)
-    return header, live, st
+    return _Candidate(claimed_root_id(prefix), header, live, st.st_size, st.st_mtime)
 
 
 def write_liveness(dir_fd: int, name: str, header: FileHeader, live: Collection[int]) -> None:
@@ -184,7 +201,7 @@ def write_liveness(dir_fd: int, name: str, header: FileHeader, live: Collection[
 class RebuildReport:
     kept: int = 0  # items indexed
     discarded: int = 0  # files removed: temp files, corrupt/short/misnamed files, losing duplicates
-    foreign: int = 0  # entries that are not the store's: left alone
+    foreign: int = 0  # entries not provably the store's (other names, other root ids, unreadable): left alone
     reasons: dict[str, int] = field(default_factory=dict)
     max_seq: int = 0
 
@@ -222,16 +239,23 @@ def _scan_fanout(root_idx: int, root: OwnedRoot, fanout: str, layout: Layout, re
             report.foreign += 1
             continue
         if kind == "temp":
+            if temp_root_id(de.name) != root.root_id:
+                report.foreign += 1
+                continue
             remove_file(dir_fd, de.name)
             report.count("temp")
             continue
         try:
-            header, live, st = _read_header(dir_fd, de.name)
-        except FormatError:
-            _discard(dir_fd, de.name, report, "corrupt")
+            found_file = _read_candidate(dir_fd, de.name)
+        except OSError:  # unreadable: nothing proves it is ours
+            report.foreign += 1
             continue
-        except OSError:
-            _discard(dir_fd, de.name, report, "unreadable")
+        if found_file.root_id != root.root_id:
+            report.foreign += 1
+            continue
+        header, live = found_file.header, found_file.live
+        if header is None:
+            _discard(dir_fd, de.name, report, "corrupt")
             continue
         if kind == "object":
             named_right = len(header.items) == 1 and encode_key(header.items[0].key) + OBJECT_SUFFIX == de.name
@@ -240,12 +264,13 @@ def _scan_fanout(root_idx: int, root: OwnedRoot, fanout: str, layout: Layout, re
         if not named_right:
             _discard(dir_fd, de.name, report, "misnamed")
             continue
-        if st.st_size != header.file_bytes:
-            _discard(dir_fd, de.name, report, "short" if st.st_size < header.file_bytes else "corrupt")
+        if found_file.size_bytes != header.file_bytes:
+            _discard(dir_fd, de.name, report, "short" if found_file.size_bytes < header.file_bytes else "corrupt")
             continue
         report.max_seq = max(report.max_seq, header.seq)
         loc = Location(root_idx, fanout, de.name)
-        found.append(_Found(StoredFile(loc, layout.path(loc), header), list(live), st.st_mtime, dir_fd, any(live)))
+        found.append(_Found(StoredFile(loc, layout.path(loc), header), list(live), found_file.mtime_s, dir_fd,
+                            any(live)))
 
 
 def _discard(dir_fd: int, name: str, report: RebuildReport, reason: str) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,6 +23,7 @@ from histate.storage.format import ALIGN_BYTES
 from histate.storage.results import Fault, IoFault, fault_from_oserror
 
 Segment = tuple[int, np.ndarray]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,23 +37,93 @@ class OpenFile:
 
 
 def probe_direct_io(dir_fd: int, name: str) -> bool:
-    """Whether files in directory `dir_fd` accept O_DIRECT (tmpfs before Linux 6.6, some FUSE/overlay do
-    not). Creates, writes and removes the regular file `name` (a temp name of the store's scheme)."""
+    """Whether files in directory `dir_fd` accept O_DIRECT: False when the file system refuses it
+    (EINVAL: tmpfs before Linux 6.6, some FUSE/overlay). Any other error (a full disk, a read-only or
+    unwritable directory, an I/O error) says nothing about O_DIRECT and propagates as OSError: the
+    caller asks again later. Creates, writes and removes the regular file `name` (a temp name of the
+    store's scheme)."""
     if not hasattr(os, "O_DIRECT"):
         return False
     buf = aligned_empty(ALIGN_BYTES)
     buf[:] = 0
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT, 0o644, dir_fd=dir_fd)
-    except OSError:
-        return False
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
     try:
         return os.pwrite(fd, buf, 0) == ALIGN_BYTES
-    except OSError:
-        return False
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
     finally:
         os.close(fd)
-        os.unlink(name, dir_fd=dir_fd)
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass
+
+
+DIRECT_PROBE_RETRY_S = 60.0  # an undecided O_DIRECT probe is retried at most this often (store clock)
+
+
+class DirectIoChoice:
+    """Per store root, whether its files are opened with O_DIRECT.
+
+    Probed when the store opens. A probe that cannot decide (it raised: a full disk, a read-only root)
+    used to turn O_DIRECT off for the life of the process, silently; now the root uses buffered I/O for
+    the time being, the first such probe is logged, and the next I/O in that root after
+    DIRECT_PROBE_RETRY_S probes again, until a probe decides."""
+
+    def __init__(self, probe, num_roots: int, wanted: bool | None, clock, labels: list[str]):
+        """`probe(root) -> bool` runs one probe (OSError / IoFault: undecided); `wanted` is
+        StoreConfig.direct_io (False: never probe, never O_DIRECT)."""
+        self._probe, self._clock, self._labels = probe, clock, labels
+        self._decided: list[bool | None] = [False if wanted is False else None] * num_roots
+        self._retry_at_s = [0.0] * num_roots
+        self._logged: set[int] = set()
+        self._lock = threading.Lock()
+        for root in range(num_roots):
+            if self._decided[root] is None:
+                self._run_probe(root)
+
+    def use(self, root: int) -> bool:
+        """O_DIRECT for the next file opened in `root`; probes again when due (never waits for another
+        thread's probe: that I/O goes buffered)."""
+        decided = self._decided[root]
+        if decided is not None:
+            return decided
+        if self._clock() >= self._retry_at_s[root] and self._lock.acquire(blocking=False):
+            try:
+                if self._decided[root] is None:
+                    self._run_probe(root)
+            finally:
+                self._lock.release()
+        return bool(self._decided[root])
+
+    def snapshot(self) -> list[bool]:
+        """What each root uses now (undecided: buffered), without probing."""
+        return [bool(d) for d in self._decided]
+
+    def _run_probe(self, root: int) -> None:
+        try:
+            verdict, reason = self._probe(root), ""
+        except (OSError, IoFault) as exc:  # no room, read-only, no permission, the fan-out dir unusable
+            verdict, reason = None, str(exc)
+        self._decided[root] = verdict
+        if verdict is not None:
+            if root in self._logged:
+                log.info("histate.storage: O_DIRECT probe of %s decided at last: %s", self._labels[root],
+                            "O_DIRECT" if verdict else "buffered I/O (refused)")
+            return
+        self._retry_at_s[root] = self._clock() + DIRECT_PROBE_RETRY_S
+        if root not in self._logged:
+            self._logged.add(root)
+            log.warning("histate.storage: cannot tell whether %s accepts O_DIRECT (%s); buffered I/O there, "
+                        "probing again every %g s until a probe decides", self._labels[root], reason,
+                        DIRECT_PROBE_RETRY_S)
 
 
 class IoSession:

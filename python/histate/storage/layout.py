@@ -6,8 +6,9 @@ Key encoding keeps ``[A-Za-z0-9_-]`` and percent-encodes every other UTF-8 byte 
 NUL included), so a name never contains a separator, never starts with a dot and never escapes its
 directory; keys whose encoding would exceed the file-name limit get a SHA-256 name (the key stored in
 the header disambiguates). Temp files share the final file's directory (rename stays atomic) and are
-named ``<stem>.tmp-<pid>-<n>``. The scheme is exact (`classify_name`): the store reads, indexes or
-removes only names it matches, and only inside fan-out directories of a root it owns.
+named ``<stem>.tmp-<root id>-<pid>-<n>`` (the root id as 16 hex digits: the proof that the store made
+the file in this root, ownership.py). The scheme is exact (`classify_name`): the store reads, indexes
+or removes only names it matches, and only inside fan-out directories of a root it owns.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ OBJECT_SUFFIX = ".hs"
 PACK_SUFFIX = ".hsp"
 TEMP_MARKER = ".tmp-"
 FANOUT_DIRS = 256
-_MAX_ENCODED_CHARS = 200  # well under NAME_MAX (255) with suffixes
+_MAX_ENCODED_CHARS = 200  # under NAME_MAX (255) with suffixes: a temp name adds 5 + 16 + 2 + pid + counter
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_-]+", re.ASCII)
 _OBJECT_STEM = r"(?:[A-Za-z0-9_-]|%[0-9A-F]{2})+|~[0-9a-f]{64}"
@@ -32,8 +33,9 @@ _PACK_STEM = r"[0-9a-f]{16}"
 _NAME_KINDS = (
     ("object", re.compile(rf"(?:{_OBJECT_STEM}){re.escape(OBJECT_SUFFIX)}")),
     ("pack", re.compile(rf"{_PACK_STEM}{re.escape(PACK_SUFFIX)}")),
-    ("temp", re.compile(rf"(?:{_OBJECT_STEM}){re.escape(TEMP_MARKER)}[0-9]+-[0-9]+")),
+    ("temp", re.compile(rf"(?:{_OBJECT_STEM}){re.escape(TEMP_MARKER)}[0-9a-f]{{16}}-[0-9]+-[0-9]+")),
 )
+_TEMP_ROOT_ID = re.compile(rf"{re.escape(TEMP_MARKER)}([0-9a-f]{{16}})-[0-9]+-[0-9]+$")
 _FANOUT_NAME = re.compile(r"[0-9a-f]{2}")
 _temp_counter = itertools.count()
 
@@ -81,6 +83,12 @@ def classify_name(name: str) -> str | None:
     return None
 
 
+def temp_root_id(name: str) -> int | None:
+    """The root id a temp file's name carries (None for any other name)."""
+    found = _TEMP_ROOT_ID.search(name)
+    return int(found.group(1), 16) if found else None
+
+
 def is_fanout_name(name: str) -> bool:
     return _FANOUT_NAME.fullmatch(name) is not None
 
@@ -93,10 +101,12 @@ class Location:
     fanout: str
     name: str
 
-    def temp(self) -> "Location":
-        """A fresh temp name next to this one (pid + counter: unique within the directory)."""
+    def temp(self, root_id: int) -> "Location":
+        """A fresh temp name next to this one, carrying the id of its root (pid + counter: unique
+        within the directory)."""
         stem = self.name.rsplit(".", 1)[0]
-        return Location(self.root, self.fanout, f"{stem}{TEMP_MARKER}{os.getpid()}-{next(_temp_counter)}")
+        return Location(self.root, self.fanout,
+                        f"{stem}{TEMP_MARKER}{root_id:016x}-{os.getpid()}-{next(_temp_counter)}")
 
 
 class Layout:

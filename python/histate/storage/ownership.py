@@ -1,11 +1,19 @@
 """Which directories the store may use, and the only ways it touches what is inside them.
 
 Ownership rule. A root directory belongs to a store when it holds the marker file `HISTATE-STORE`
-that a store wrote. A store claims a root that does not exist yet or is empty by writing the marker;
-a directory holding anything else (and no marker) is refused, untouched. Inside its root the store
-only ever creates, reads and removes names of its own scheme (`layout.classify_name`) inside its
-256 fan-out directories (`00` ... `ff`, real directories, never symlinks), plus the marker. Everything
-else -- other files, other directories, symlinks, FIFOs, even with a store-like name -- is left alone.
+that a store wrote. A store claims a root that does not exist yet or is empty by writing the marker,
+which records a random 64-bit root id; a directory holding anything else (and no marker) is refused,
+untouched. Inside its root the store only ever creates, reads and removes names of its own scheme
+(`layout.classify_name`) inside its 256 fan-out directories (`00` ... `ff`, real directories, never
+symlinks), plus the marker. Everything else -- other files, other directories, symlinks, FIFOs -- is
+left alone.
+
+A name is not proof enough: a copy of the marker in a user's directory would make every user file
+named like the store's (`ab/Util.hs`) look like the store's. So the store removes or replaces a file
+only when the file itself proves the store wrote it in this root: every file it writes carries the
+root id in its header (format.claimed_root_id), every temp file in its name (layout.temp_root_id). A
+copied marker gives its new directory no such files: the store there adds its own and touches none
+of the user's.
 
 Exclusion. The root directory itself (its inode, not a file inside it) is `flock`ed for the life of
 the store, so emptying the directory (`rm -rf root/*`) cannot hand it to a second store; the lock
@@ -19,14 +27,36 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import stat
 
-from histate.storage.layout import is_fanout_name
+from histate.storage.format import ALIGN_BYTES, claimed_root_id
+from histate.storage.layout import classify_name, is_fanout_name, temp_root_id
 from histate.storage.results import Fault, IoFault, fault_from_oserror
 
 MARKER_NAME = "HISTATE-STORE"
-MARKER_TEXT = b"histate.storage root (format 2). The store owns only its own file names in 00..ff.\n"
+MARKER_HEAD = (b"histate.storage root (format 3). The store owns only the files in 00..ff that carry this "
+               b"root id.\n")
+FORMAT2_MARKER = b"histate.storage root (format 2). The store owns only its own file names in 00..ff.\n"
+_MARKER_ID = re.compile(rb"root-id ([0-9a-f]{16})\n")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def marker_text(root_id: int) -> bytes:
+    return MARKER_HEAD + b"root-id %016x\n" % root_id
+
+
+def parse_marker(data: bytes) -> int:
+    """The root id a marker records; ValueError when `data` is not a format-3 marker."""
+    found = _MARKER_ID.fullmatch(data[len(MARKER_HEAD):]) if data.startswith(MARKER_HEAD) else None
+    if found is None or not int(found.group(1), 16):
+        raise ValueError("not a histate.storage format-3 marker")
+    return int(found.group(1), 16)
+
+
+def new_root_id() -> int:
+    """A random, non-zero 64-bit id: what no file the store did not write carries by chance."""
+    return int.from_bytes(os.urandom(8), "little") or 1
 
 
 class StoreDirectoryError(RuntimeError):
@@ -47,6 +77,7 @@ class OwnedRoot:
 
     def __init__(self, path: str):
         self.path = path
+        self.root_id = 0  # known once the marker is read or written
         if os.path.realpath(path) == os.sep:
             raise StoreDirectoryError(f"refusing '{os.sep}' as a store directory: give a dedicated directory")
         try:
@@ -75,29 +106,62 @@ class OwnedRoot:
                 raise StoreDirectoryError(
                     f"{self.path} is not empty and was not created by histate.storage (no {MARKER_NAME}; it "
                     f"holds {_listing(names)}): give an empty or new directory, nothing in it was touched")
+            self.root_id = new_root_id()
             self.ensure_marker()
             return
+        data = self._read_marker()
+        if data == FORMAT2_MARKER:
+            raise StoreDirectoryError(
+                f"{self.path} is a store of an older histate.storage (format 2), whose files cannot prove the "
+                f"store wrote them: refusing it, nothing in it was touched; it is a cache, delete the directory")
+        try:
+            self.root_id = parse_marker(data)
+        except ValueError:
+            raise StoreDirectoryError(f"{self.path}/{MARKER_NAME} is not a histate.storage marker: "
+                                      f"refusing the directory, nothing in it was touched") from None
+
+    def _read_marker(self) -> bytes:
+        """The marker's bytes (a little more than any valid one: a longer file reads as garbled)."""
         try:
             fd = os.open(MARKER_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as exc:
             raise StoreDirectoryError(f"{self.path}/{MARKER_NAME} cannot be read ({exc.strerror})") from None
         try:
-            ok = stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(MARKER_TEXT) + 1) == MARKER_TEXT
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return b""
+            return os.read(fd, len(marker_text(1)) + 1)
         finally:
             os.close(fd)
-        if not ok:
-            raise StoreDirectoryError(f"{self.path}/{MARKER_NAME} is not a histate.storage marker: "
-                                      f"refusing the directory, nothing in it was touched")
 
     def ensure_marker(self) -> None:
-        """Write the marker if it is missing (first claim, or after someone emptied the root)."""
+        """Write the marker if it is missing (first claim, or after someone emptied the root); it keeps
+        this root's id, so the files already written stay provably the store's."""
         try:
             fd = os.open(MARKER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                          dir_fd=self.fd)
         except FileExistsError:
             return
         try:
-            os.write(fd, MARKER_TEXT)
+            os.write(fd, marker_text(self.root_id))
+        finally:
+            os.close(fd)
+
+    def wrote(self, dir_fd: int, name: str) -> bool:
+        """Whether regular file `name` (in fan-out directory `dir_fd`) proves the store wrote it in this
+        root: a temp file by the id in its name, any other by the id in its header. False when it cannot
+        be read (nothing proves it then)."""
+        if classify_name(name) == "temp":
+            return temp_root_id(name) == self.root_id
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            return claimed_root_id(os.pread(fd, ALIGN_BYTES, 0)) == self.root_id
+        except OSError:
+            return False
         finally:
             os.close(fd)
 
@@ -162,12 +226,14 @@ def remove_file(dir_fd: int, name: str) -> bool:
     return True
 
 
-def is_replaceable(dir_fd: int, name: str) -> bool:
-    """Whether a rename may land on `name`: nothing there, or a regular file (ours by its name)."""
+def is_replaceable(root: OwnedRoot, dir_fd: int, name: str) -> bool:
+    """Whether a rename may land on `name`: nothing there, or a file the store provably wrote in `root`
+    (a user's file under a copied marker keeps its place: the put fails `unsafe_path` instead)."""
     try:
-        return stat.S_ISREG(os.lstat(name, dir_fd=dir_fd).st_mode)
+        os.lstat(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return True
+    return root.wrote(dir_fd, name)
 
 
 def check_nesting(paths: list[str]) -> None:

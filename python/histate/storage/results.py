@@ -25,7 +25,8 @@ class Fault(str, enum.Enum):
     CANCELLED = "cancelled"  # put superseded by delete() or store close
     SUPERSEDED = "superseded"  # put overtaken by a later put of the same key (later writes win)
     OWNER_ERROR = "owner_error"  # put failed because on_capacity_needed / on_evict raised
-    UNSAFE_PATH = "unsafe_path"  # something the store did not create sits where it would write
+    UNSAFE_PATH = "unsafe_path"  # something the store did not (provably) create sits where it would write
+    SIZE_MISMATCH = "size_mismatch"  # get into a destination whose size is not the stored object's
 
 
 class IoFault(Exception):

@@ -31,13 +31,13 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from histate.storage.batch import IoBatch
-from histate.storage.buffers import aligned_empty, destination_view, source_view
+from histate.storage.buffers import aligned_empty, destination_bytes, source_view
 from histate.storage.config import StoreConfig
 from histate.storage.file_backend import FileSession
-from histate.storage.format import (CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, ItemSpec, align_up,
+from histate.storage.format import (CHECKSUM_NAMES, CHECKSUM_XXH3, DEFAULT_CHECKSUM, MAX_ITEMS, ItemSpec, align_up,
                                     header_bytes_for, xxhash)
 from histate.storage.index import Entry, Index, StoredFile, new_entry, rebuild, write_liveness
-from histate.storage.io_base import IoSession, probe_direct_io
+from histate.storage.io_base import DirectIoChoice, IoSession, probe_direct_io
 from histate.storage.layout import Layout, Location, validate_key
 from histate.storage.nixl_backend import NixlSession, NixlUnavailable
 from histate.storage.ownership import OwnedRoot, claim_roots, is_replaceable, remove_file
@@ -143,10 +143,11 @@ class CheckpointStore:
         self._crc_pool = None
         self._roots: list[OwnedRoot] = claim_roots(self.layout.roots)
         try:
-            self._direct = [config.direct_io is not False and self._probe(i) for i in range(len(self._roots))]
-            if config.direct_io is True and not all(self._direct):
-                log.warning("histate.storage: O_DIRECT requested but refused by %s; buffered I/O there",
-                            [r.path for r, ok in zip(self._roots, self._direct) if not ok])
+            self._direct = DirectIoChoice(self._probe, len(self._roots), config.direct_io, clock,
+                                          [r.path for r in self._roots])
+            if config.direct_io is True and not all(self._direct.snapshot()):
+                log.warning("histate.storage: O_DIRECT requested but not (yet) usable in %s; buffered I/O there",
+                            [r.path for r, ok in zip(self._roots, self._direct.snapshot()) if not ok])
             self._index, report = rebuild(self.layout, self._roots, clock(), _tqdm_progress if progress else None)
             self._next_seq = report.max_seq + 1
             self.stats.rebuild_kept, self.stats.rebuild_discarded = report.kept, report.discarded
@@ -168,7 +169,8 @@ class CheckpointStore:
             t.start()
 
     def _probe(self, root: int) -> bool:
-        loc = Location(root, "00", "probe").temp()
+        """One O_DIRECT probe in `root` (raises OSError / IoFault when it cannot tell: DirectIoChoice)."""
+        loc = Location(root, "00", "probe").temp(self._roots[root].root_id)
         dir_fd = self._roots[root].open_fanout(loc.fanout, create=True)
         try:
             return probe_direct_io(dir_fd, loc.name)
@@ -241,12 +243,13 @@ class CheckpointStore:
         return batch, [self._write_op(group, batch, pack=len(group) > 1) for group in groups]
 
     def _pack_groups(self, items: list[_PutItem]) -> list[list[_PutItem]]:
-        """Consecutive items up to pack_max_bytes per file; a key given twice starts a new file (so the
-        later copy gets the later sequence number)."""
+        """Consecutive items up to pack_max_bytes and MAX_ITEMS (what one header can list) per file; a
+        key given twice starts a new file (so the later copy gets the later sequence number)."""
         groups: list[list[_PutItem]] = []
         size, keys = 0, set()
         for item in items:
-            if not groups or item.key in keys or size + item.src.size > self.config.pack_max_bytes:
+            if (not groups or item.key in keys or size + item.src.size > self.config.pack_max_bytes
+                    or len(groups[-1]) == MAX_ITEMS):
                 groups.append([])
                 size, keys = 0, set()
             groups[-1].append(item)
@@ -260,8 +263,9 @@ class CheckpointStore:
 
     def _get_ops(self, keys: Sequence[str], out: Sequence[object] | None) -> tuple[IoBatch[GetResult], list]:
         """One read op per pack the keys live in, one per other key. Destinations are checked loudly here
-        and kept as flat byte views (the read checks only their size again: the key may have been
-        replaced meanwhile)."""
+        (type, contiguity, writability: caller bugs) and kept as flat byte views; their size is compared
+        with the stored object's only when it is read, and a difference is a miss (`size_mismatch`): a
+        put of another size may have replaced the key since the caller sized the buffer."""
         keys = [validate_key(k) for k in keys]
         outs = list(out) if out is not None else [None] * len(keys)
         if len(outs) != len(keys):
@@ -272,11 +276,11 @@ class CheckpointStore:
         batch: IoBatch[GetResult] = IoBatch(len(keys))
         groups: dict[int, _ReadOp] = {}
         for slot, (key, dest, entry) in enumerate(zip(keys, outs, entries)):
+            if dest is not None:
+                dest = destination_bytes(dest)
             if entry is None:
                 group = ~slot  # negative: never an id()
             else:
-                if dest is not None:
-                    dest = destination_view(dest, entry.file.header.items[entry.index].payload_bytes)
                 group = id(entry.file) if entry.file.is_pack else ~slot
             op = groups.get(group)
             if op is None:
@@ -341,7 +345,7 @@ class CheckpointStore:
 
     @property
     def direct_io(self) -> dict[str, bool]:
-        return {r.path: ok for r, ok in zip(self._roots, self._direct)}
+        return {r.path: ok for r, ok in zip(self._roots, self._direct.snapshot())}
 
     def stats_snapshot(self) -> dict:
         with self._lock:
@@ -588,7 +592,7 @@ class CheckpointStore:
                         op.batch._complete(slot, GetResult(key, Fault.IO_ERROR))
 
     def _direct_for(self, loc: Location) -> bool:
-        return self._direct[loc.root]
+        return self._direct.use(loc.root)
 
     # --- reads ---------------------------------------------------------------------------------
     def _run_read(self, sess: IoSession, op: _ReadOp) -> None:
@@ -626,11 +630,10 @@ class CheckpointStore:
             dest = op.outs[j]
             if dest is None:
                 wanted.append((j, entry, aligned_empty(size)))
-                continue
-            try:
-                wanted.append((j, entry, destination_view(dest, size)))
-            except ValueError:  # replaced by an object of another size since submit
-                done.append((j, GetResult(entry.key, Fault.NOT_FOUND)))
+            elif dest.size == size:
+                wanted.append((j, entry, dest))
+            else:  # the key holds an object of another size (replaced since the caller sized `dest`)
+                done.append((j, GetResult(entry.key, Fault.SIZE_MISMATCH)))
         if not wanted:
             return []
         try:
@@ -712,7 +715,7 @@ class CheckpointStore:
             self._finish_put(op, {item.slot: Fault.CANCELLED for item in op.items}, None)
             return
         loc, root = op.loc, self._roots[op.loc.root]
-        tmp = loc.temp()
+        tmp = loc.temp(root.root_id)
         label = os.path.join(root.path, tmp.fanout, tmp.name)
         try:
             dir_fd = root.open_fanout(loc.fanout, create=True)
@@ -725,7 +728,8 @@ class CheckpointStore:
                 f = sess.create(dir_fd, tmp.name, op.file_bytes, self._direct_for(loc), label)
                 try:
                     header = write_items(sess, f, op.seq, [i.spec for i in op.items], [i.src for i in op.items],
-                                         self._pipe, op.header_bytes, lambda h: self._prepare_publication(op, h))
+                                         self._pipe, op.header_bytes, lambda h: self._prepare_publication(op, h),
+                                         root_id=root.root_id)
                 finally:
                     sess.close(f)
             except BaseException as exc:
@@ -755,11 +759,11 @@ class CheckpointStore:
             current = indexed(item.key)
             if (current is not None and current.file.header.seq > op.seq) or latest_seq(item.key, 0) > op.seq:
                 faults[item.slot] = Fault.SUPERSEDED
-        unsafe = len(faults) < len(op.items) and not is_replaceable(dir_fd, op.loc.name)
+        unsafe = len(faults) < len(op.items) and not self._may_replace(op, dir_fd)
         if len(faults) == len(op.items) or unsafe:
             remove_file(dir_fd, tmp.name)
             if unsafe:
-                log.warning("histate.storage: %s is not a file the store wrote; not replacing it",
+                log.warning("histate.storage: %s is not a file the store provably wrote; not replacing it",
                             self.layout.path(op.loc))
                 faults.update({item.slot: Fault.UNSAFE_PATH for item in op.items if item.slot not in faults})
             return faults, False
@@ -785,6 +789,14 @@ class CheckpointStore:
             if replaced is not None and replaced.file.loc != op.loc:
                 self._bury(replaced)
         return faults, True
+
+    def _may_replace(self, op: _WriteOp, dir_fd: int) -> bool:
+        """(lock held) Whether `op`'s file may be renamed over what sits at its name: nothing, the key's
+        own indexed copy (proved when it was indexed), or a file that proves the store wrote it here."""
+        current = self._index.get(op.items[0].key)
+        if current is not None and current.file.loc == op.loc:
+            return True
+        return is_replaceable(self._roots[op.loc.root], dir_fd, op.loc.name)
 
     def _prepare_publication(self, op: _WriteOp, header) -> None:
         """Index record, entries and results of `op` (no lock needed: nothing shared is touched). Runs

@@ -172,13 +172,13 @@ def _whole_items(hosts: Sequence[np.ndarray]) -> list[_Range]:
 
 
 def _seal_into(hdr: np.ndarray, seq: int, chunk_bytes: int, algo: int, specs: Sequence[ItemSpec],
-               hosts: Sequence[np.ndarray], sums: list[list[int]] | None, on_sealed) -> FileHeader:
+               hosts: Sequence[np.ndarray], sums: list[list[int]] | None, on_sealed, root_id: int) -> FileHeader:
     """Checksums (unless `sums` already holds them), the header encoded into `hdr`, then the caller's
     `on_sealed`: everything a write needs before its header's own write, in one job."""
     if sums is None:
         sums = [[] for _ in specs]
         _checksum_ranges(_whole_items(hosts), hosts, chunk_bytes, algo, [item_seed(s.key, seq) for s in specs], sums)
-    header = build_header(seq, chunk_bytes, algo, specs, sums)
+    header = build_header(seq, chunk_bytes, algo, specs, sums, root_id)
     hdr[:] = np.frombuffer(encode_header(header), dtype=np.uint8)
     if on_sealed is not None:
         on_sealed(header)
@@ -220,8 +220,9 @@ def _zero_header(sess: IoSession, header_bytes: int) -> np.ndarray:
 
 def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec], hosts: Sequence[np.ndarray],
                 cfg: PipelineConfig, header_bytes: int | None = None,
-                on_sealed: Callable[[FileHeader], None] | None = None) -> FileHeader:
+                on_sealed: Callable[[FileHeader], None] | None = None, root_id: int = 0) -> FileHeader:
     """Fill the new file `f` (sized for `specs`) with every item's payload and the header; returns it.
+    `root_id` goes into the header: the store root's proof that it wrote the file (ownership.py).
     `header_bytes`, when the caller already sized the file, saves computing it again. `on_sealed(header)`
     runs once the header is known, beside the payload's I/O when the file is large enough to pipeline
     (on the checksum pool, or in this thread between polls): the caller's own per-item work for after
@@ -236,7 +237,7 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
     if sum(h.size for h in hosts) <= min(step, SINGLE_CALL_MAX_BYTES):
         # small file: checksums first, then one vectored call for header + payloads (cheaper than a
         # second I/O for the header)
-        header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed)
+        header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed, root_id)
         _map_piece(sess, whole, hosts, addrs, offsets, 0, True)
         sess.run(f, "WRITE", [(0, hdr)] + whole.segments)
         return header
@@ -269,7 +270,7 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
     try:
         first = prepare(0)  # before the pool starts: its Python would compete for the GIL
         if pool is not None:  # checksums and header on the pool, beside the payload's I/O in this thread
-            job = pool.submit(_seal_into, hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed)
+            job = pool.submit(_seal_into, hdr, seq, chunk_bytes, algo, specs, hosts, None, on_sealed, root_id)
         post(first)
         while posted < len(io_pieces) and len(inflight) < cfg.max_inflight:
             post()
@@ -283,7 +284,7 @@ def write_items(sess: IoSession, f: OpenFile, seq: int, specs: Sequence[ItemSpec
                 sess.wait(inflight.popleft().token)
                 post()
         if job is None:
-            header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, sums, on_sealed)
+            header = _seal_into(hdr, seq, chunk_bytes, algo, specs, hosts, sums, on_sealed, root_id)
         while inflight:
             sess.wait(inflight.popleft().token)
         if job is not None:
