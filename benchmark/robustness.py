@@ -27,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / ".." / "shared" / "traces" / "cc-traces-weka-042026" / "traces.jsonl.gz"
-POLICIES = ("histate", "histate-paper", "histate-align", "histate-fixed32", "histate-lru-disk", "vllm-marconi",
+POLICIES = ("histate", "histate-exclusive", "histate-paper", "histate-align", "histate-fixed32", "histate-lru-disk",
+            "vllm-marconi",
             "vllm-cpu", "vllm-disk", "sglang-hicache", "marconi", "unlimited")
 BASE = {"--preset": "paper-native", "--gpu-gib": "45", "--cpu-gib": "96", "--ssd-gib": "150"}
 ROWS = {  # name -> (flags replacing the base's, needs the trace)

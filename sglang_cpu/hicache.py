@@ -101,27 +101,44 @@ def _cpu_hicache() -> Iterator[None]:
         yield
 
 
+def hicache_server_args(page_size: int, chunk_tokens: int, *, storage_extra: Optional[dict] = None,
+                        hicache_ratio: float = 2.0, **fields: Any) -> Any:
+    """Publish ServerArgs with SGLang's host tier on (`HICACHE_ARGS`) and, with `storage_extra` (a `dynamic`
+    backend extra config, e.g. HiState's), its storage tier."""
+    storage = {} if storage_extra is None else dict(
+        hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(storage_extra),
+        hicache_storage_prefetch_policy="wait_complete")
+    return publish_server_args(page_size=page_size, chunk_tokens=chunk_tokens,
+                               **{**HICACHE_ARGS, "hicache_ratio": hicache_ratio}, **storage, **fields)
+
+
+def attach_hicache(cache: Any, pools: Pools, server_args: Any, histate_config: Any = None,
+                   write_through_threshold: int = 1) -> Any:
+    """SGLang's `init_hicache` on CPU (host pools, controller, storage threads), with HiState's host
+    sizing while `histate_config` is given, as `histate_cache_factory` builds it."""
+    from histate.sglang_plugin.host_stack import histate_build_scope, install_host_policy
+
+    install_host_policy()
+    with _cpu_hicache(), histate_build_scope(histate_config):
+        cache.init_hicache(server_args, cache_params(pools))
+    cache.write_through_threshold = write_through_threshold
+    return cache
+
+
 def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storage_extra: Optional[dict] = None,
                   write_through_threshold: int = 1, hicache_ratio: float = 2.0, **histate_kwargs: Any) -> Any:
     """A `kind` cache ('histate' or 'stock') with SGLang's host tier attached, and with
     `storage_extra` (a `dynamic` backend extra config, e.g. HiState's) its storage tier too."""
     from histate.sglang_plugin.config import resolve_config
-    from histate.sglang_plugin.host_stack import histate_build_scope, install_host_policy
 
-    storage = {} if storage_extra is None else dict(
-        hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(storage_extra),
-        hicache_storage_prefetch_policy="wait_complete")
-    server_args = publish_server_args(page_size=pools.page_size, chunk_tokens=max(16, pools.page_size),
-                                      **{**HICACHE_ARGS, "hicache_ratio": hicache_ratio}, **storage)
+    server_args = hicache_server_args(pools.page_size, max(16, pools.page_size), storage_extra=storage_extra,
+                                      hicache_ratio=hicache_ratio)
     if kind == "histate":
         histate_config = histate_config or resolve_config({"enable": True}, {})
         histate_kwargs["histate_config"] = histate_config
     cache = build_cache(kind, pools, **histate_kwargs)
-    install_host_policy()
-    with _cpu_hicache(), histate_build_scope(histate_config if kind == "histate" else None):
-        cache.init_hicache(server_args, cache_params(pools))
-    cache.write_through_threshold = write_through_threshold
-    return cache
+    return attach_hicache(cache, pools, server_args, histate_config if kind == "histate" else None,
+                          write_through_threshold)
 
 
 def drain_backups(cache: Any, timeout_s: float = 10.0) -> None:
@@ -156,8 +173,11 @@ class TieredDriver(Driver):
     the batch's `ready_to_load_host_cache`), and a scheduler step (`check_hicache_events`) after each
     forward pass, which here waits until the backups it started are acknowledged."""
 
+    admission_lock: Any = None  # the prefix an admitted request holds until its pass ran
+
     def admit(self, tokens: list) -> int:
-        """Bring `tokens`' reusable prefix to the device; returns its length."""
+        """Bring `tokens`' reusable prefix to the device and hold it, as the admitted request does
+        (`PrefillAdder._commit_prefill_admission` locks `req.last_node`); returns its length."""
         import time
 
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
@@ -171,8 +191,9 @@ class TieredDriver(Driver):
         if req.host_hit_length > 0 or req.mamba_host_hit_length > 0:
             self.cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
                                                          host_hit_length=req.host_hit_length, req=req))
-            self.cache.ready_to_load_host_cache()
-            self.cache.check_hicache_events()
+        self.admission_lock = self.cache.lock(req.best_match_node)
+        self.cache.ready_to_load_host_cache()
+        self.cache.check_hicache_events()
         if req.kv.holds_mamba:  # the request's own state slot: it never runs here
             self.pools.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
             req.kv.mamba_pool_idx = None
@@ -186,5 +207,7 @@ class TieredDriver(Driver):
               state_fill: Any = None) -> Any:
         self.admit(tokens)
         outcome = super().serve(tokens, checkpoints, plan, state_fill)
+        self.cache.unlock(self.admission_lock)
+        self.admission_lock = None
         self.step()
         return outcome

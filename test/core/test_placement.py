@@ -13,8 +13,8 @@ def tiers_of(cache, keys):
     return node.kv_mask, node.ckpt_mask
 
 
-def test_histate_demotes_instead_of_deleting_when_a_lower_tier_has_room():
-    cache = make_cache("histate", tiny_config(gpu_pages=16, cpu_pages=16, ssd_pages=64))
+def test_exclusive_tiers_demote_instead_of_deleting_when_a_lower_tier_has_room():
+    cache = make_cache("histate-exclusive", tiny_config(gpu_pages=16, cpu_pages=16, ssd_pages=64))
     serve(cache, A, 1.0, [10])  # 10 pages KV + 4 pages state on GPU
     serve(cache, B, 2.0, [10])  # needs 14 pages: A's bundle moves down instead of disappearing
     cache.check_invariants()
@@ -24,25 +24,56 @@ def test_histate_demotes_instead_of_deleting_when_a_lower_tier_has_room():
     assert cache.stats.evictions[("bundle", "GPU", "demote")] == 1
 
 
+GPU, CPU, SSD = 1 << Tier.GPU, 1 << Tier.CPU, 1 << Tier.SSD
+
+
 def test_histate_sends_historical_checkpoints_to_ssd_and_keeps_the_terminal_on_gpu():
+    """SGLang's HiCache tiers as the plugin runs them: KV written through device -> host -> SSD, a
+    checkpoint written through to the SSD (the host's state slots only stage), kept on the device only
+    while it is a trajectory's terminal state."""
     cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64, ssd_pages=64))
     serve(cache, A[:4], 1.0, [4])
+    assert tiers_of(cache, A[:4]) == (GPU | CPU | SSD, GPU | SSD)  # a terminal: device + its SSD copy
     serve(cache, A, 2.0, [6, 10])  # 6 is planned inside the new segment; 4 became historical
-    assert tiers_of(cache, A[:4])[1] == 1 << Tier.SSD
-    assert tiers_of(cache, A[:6])[1] == 1 << Tier.SSD
-    assert tiers_of(cache, A)[1] == 1 << Tier.GPU
+    assert tiers_of(cache, A[:4])[1] == SSD
+    assert tiers_of(cache, A[:6])[1] == SSD
+    assert tiers_of(cache, A) == (GPU | CPU | SSD, GPU | SSD)
     result = cache.match(A[:6] + [("x", 0)])
     assert (result.num_reused_pages, result.checkpoint_tier) == (6, Tier.SSD)
     assert result.kv_bytes_by_tier == {Tier.GPU: 6 * KV_PAGE_BYTES}
+    cache.check_invariants()
+
+
+def test_histate_sheds_the_device_copies_of_an_evicted_bundle():
+    cache = make_cache("histate", tiny_config(gpu_pages=16, cpu_pages=64, ssd_pages=64))
+    serve(cache, A, 1.0, [10])  # 10 pages KV + 4 pages state on GPU
+    serve(cache, B, 2.0, [10])  # needs 14 pages: A's device copies go, its host KV and SSD state stay
+    cache.check_invariants()
+    assert tiers_of(cache, A) == (CPU | SSD, SSD)
+    assert cache.stats.evictions[("bundle", "GPU", "shed")] == 1
+    result = cache.match(A)
+    assert (result.num_reused_pages, result.checkpoint_tier) == (10, Tier.SSD)
+    assert result.kv_bytes_by_tier == {Tier.CPU: 10 * KV_PAGE_BYTES}
 
 
 def test_promotion_moves_reused_kv_back_to_gpu():
-    cache = make_cache("histate", tiny_config(gpu_pages=16, cpu_pages=32, ssd_pages=64))
+    cache = make_cache("histate-exclusive", tiny_config(gpu_pages=16, cpu_pages=32, ssd_pages=64))
     serve(cache, A, 1.0, [10])
     serve(cache, B, 2.0, [10])  # A demoted to CPU
     lease = cache.begin_request(A + [("a", 10)], 3.0)
     assert lease.match.kv_bytes_by_tier == {Tier.CPU: 10 * KV_PAGE_BYTES}
     assert tiers_of(cache, A)[0] == 1 << Tier.GPU  # exclusive tiers: moved, not copied
+    cache.abort_request(lease)
+    cache.check_invariants()
+
+
+def test_histate_promotion_copies_reused_kv_back_to_gpu():
+    cache = make_cache("histate", tiny_config(gpu_pages=16, cpu_pages=32, ssd_pages=64))
+    serve(cache, A, 1.0, [10])
+    serve(cache, B, 2.0, [10])  # A's device copy shed
+    lease = cache.begin_request(A + [("a", 10)], 3.0)
+    assert lease.match.kv_bytes_by_tier == {Tier.CPU: 10 * KV_PAGE_BYTES}
+    assert tiers_of(cache, A)[0] == GPU | CPU | SSD  # inclusive tiers: copied, the host copy stays
     cache.abort_request(lease)
     cache.check_invariants()
 
@@ -118,7 +149,7 @@ def test_a_lost_checkpoint_becomes_a_miss_at_the_previous_one():
 
 
 def test_lost_kv_in_its_only_tier_takes_the_subtree_with_it():
-    cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64, ssd_pages=64))
+    cache = make_cache("histate-exclusive", tiny_config(gpu_pages=64, cpu_pages=64, ssd_pages=64))
     serve(cache, A[:4], 1.0, [4])
     serve(cache, A, 2.0, [10])
     serve(cache, A[:4] + B[:3], 3.0, [7])
@@ -144,7 +175,9 @@ def test_report_lost_refuses_to_pull_pinned_kv():
 def test_lost_kv_can_be_named_by_any_page_of_its_segment():
     cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64))
     serve(cache, A, 1.0, [10])
-    assert cache.report_lost(A, 3, ItemKind.KV, Tier.GPU, 2.0)  # page 2 of the 10-page segment
+    assert cache.report_lost(A, 3, ItemKind.KV, Tier.CPU, 2.0)  # page 2 of the 10-page segment
+    assert tiers_of(cache, A)[0] == GPU  # its device copy is left
+    assert cache.report_lost(A, 3, ItemKind.KV, Tier.GPU, 2.0)  # ... and was its last copy
     assert cache.tree.num_nodes == 0
     cache.check_invariants()
 

@@ -27,6 +27,9 @@ from histate.reference.ssd import open_ssd  # noqa: E402
 
 HIT_TYPES = ["append", "fork", "truncate", "rewind-edit"]
 TIERS = [Tier.GPU, Tier.CPU, Tier.SSD]
+# HiState keeps checkpoints on the device and SSD (the host holds KV); the exclusive variant moves them
+# through the host, which keeps the host transport of a checkpoint under test.
+POLICY_FOR_TIER = {Tier.GPU: "histate", Tier.CPU: "histate-exclusive", Tier.SSD: "histate"}
 MAX_FLOOD_REQUESTS = 40
 
 
@@ -93,7 +96,7 @@ def test_hit_served_from_tier_matches_cold_prefill(hit_type, target, runners, co
     capacity = {Tier.GPU: 28 * page_bytes, Tier.CPU: 28 * page_bytes}
     if target is Tier.SSD:
         capacity[Tier.SSD] = 400 * page_bytes
-    executor = ReferenceExecutor(runner, "histate", capacity, open_ssd(str(tmp_path), 400 * page_bytes))
+    executor = ReferenceExecutor(runner, POLICY_FOR_TIER[target], capacity, open_ssd(str(tmp_path), 400 * page_bytes))
     rng = random.Random(zlib.crc32(f"{hit_type}/{target.name}".encode()))
     def msg(n):
         return [rng.randrange(512) for _ in range(n)]

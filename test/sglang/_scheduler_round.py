@@ -14,14 +14,17 @@ from typing import Any, Optional
 
 
 def prefill_round(cache: Any, allocator: Any, page_size: int, chunked_req: Optional[Any], waiting: list, *,
-                  rem_chunk_tokens: Optional[int], rem_input_tokens: int = 16 * 1024) -> tuple[Any, Optional[Any]]:
-    """Returns the adder (its `can_run_list` is the batch) and the scheduler's `chunked_req`."""
+                  rem_chunk_tokens: Optional[int], rem_input_tokens: int = 16 * 1024,
+                  chunked_req_limit: Optional[int] = None) -> tuple[Any, Optional[Any]]:
+    """Returns the adder (its `can_run_list` is the batch) and the scheduler's `chunked_req`.
+    `chunked_req_limit`: the cap shortest-prefill-first puts on the continuing chunk (4178-4183)."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     adder = PrefillAdder(page_size, cache, allocator, None, new_token_ratio=0.7,
                          rem_input_tokens=rem_input_tokens, rem_chunk_tokens=rem_chunk_tokens)
     if chunked_req is not None:
         chunked_req.init_next_round_input()
+        adder.chunked_req_limit = chunked_req_limit
         chunked_req = adder.add_chunked_req(chunked_req)
     for req in waiting:
         if adder.budget_state() == AddReqResult.OTHER:

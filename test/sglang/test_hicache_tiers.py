@@ -177,25 +177,29 @@ def _request(tokens):
     return request(f"r{tokens[-1]}", tokens)
 
 
-def _ssd_only_checkpoint(tmp_path, pools, clock):
-    """A 16-page prompt with states at 4, 8 and 16 pages, written through to SSD; then the state at 4
-    pages loses its device and host copies. Returns (cache, tokens, that node, its state's bytes)."""
+def _node_at(cache, tokens):
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-    from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
+    return cache.tree_core.node_by_id(cache.match_prefix(MatchPrefixParams(key=key(tokens))).last_device_node)
+
+
+def _ssd_only_checkpoint(tmp_path, pools, clock):
+    """A 16-page prompt with states at 4, 8 and 16 pages, written through device -> host -> SSD. Once
+    the SSD copies are acknowledged, the historical states (4 and 8 pages) live on SSD alone (asymmetric
+    tiering); the terminal one keeps its device copy. Returns (cache, tokens, the node at 4 pages, its
+    state's bytes as the forward pass left them)."""
     cache = _ssd_cache(tmp_path, pools, clock)
     tokens = list(range(500, 500 + 16 * PAGE))
     Driver(cache, pools).serve(tokens, [4 * PAGE, 8 * PAGE, 16 * PAGE], state_fill=lambda pos: pos / 8)
-    drain_backups(cache)
-    node = cache.tree_core.node_by_id(cache.match_prefix(MatchPrefixParams(key=key(tokens[:4 * PAGE]))).last_device_node)
-    assert core_of(node).ckpt_mask == GPU_BIT | CPU_BIT | SSD_BIT  # device -> host -> SSD, as in a server
+    node, middle, terminal = (_node_at(cache, tokens[:n * PAGE]) for n in (4, 8, 16))
     device_slot = int(node.component_data[2].value[0])
     state = pools.mamba_pool.mamba_cache
     expected = _state_bytes([state.temporal[:, device_slot], *(c[:, device_slot] for c in state.conv)]).clone()
-    _drop_state(cache, node, EvictLayer.DEVICE)  # sparsified on the device ...
-    _drop_state(cache, node, EvictLayer.HOST)  # ... and the host staging slot recycled: only SSD is left
+    drain_backups(cache)
     cache.sanity_check()
-    assert core_of(node).ckpt_mask == SSD_BIT
+    assert core_of(node).ckpt_mask == core_of(middle).ckpt_mask == SSD_BIT
+    assert core_of(terminal).ckpt_mask & (GPU_BIT | SSD_BIT) == GPU_BIT | SSD_BIT
+    assert cache.histate.metrics.totals["checkpoints_homed_total"] == 4  # device + host copies of 2 states
     return cache, tokens, node, expected
 
 
@@ -237,12 +241,18 @@ def test_ssd_only_checkpoint_is_restored_off_the_scheduler_thread(sglang_plugins
     assert cache.tree_core.node_by_id(req.best_match_node) is node and req.mamba_host_hit_length >= 1
     loaded = cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
                                                      host_hit_length=req.host_hit_length, req=req))
+    lock = cache.lock(node.id)  # PrefillAdder._commit_prefill_admission: the admitted request holds its prefix
     cache.ready_to_load_host_cache()  # the scheduler starts the batch's H->D loads (layer by layer)
     cache.check_hicache_events()
     assert loaded is not None and node.component_data[2].value is not None  # on the device again
     device_slot = int(node.component_data[2].value[0])
     state = pools.mamba_pool.mamba_cache
     assert torch.equal(_state_bytes([state.temporal[:, device_slot], *(c[:, device_slot] for c in state.conv)]), expected)
+    cache.sanity_check()
+    cache.histate.victims.check_offered()
+    cache.unlock(lock)  # the request moved on: the historical state goes back to SSD alone
+    cache.check_hicache_events()
+    assert core_of(node).ckpt_mask == SSD_BIT
     cache.sanity_check()
     cache.histate.victims.check_offered()
 
@@ -329,3 +339,87 @@ def test_metrics_are_exported_with_sglang_labels(sglang_plugins):
                  'sglang:histate_checkpoints{pp_rank="0",tier="host",tp_rank="0"} 7.0'):
         assert line in text, line
     assert metrics.totals[("prefix_hits_total", "storage")] == 1 and metrics.totals["input_tokens_total"] == 400
+
+
+# --- restarts and flushes: the SSD tier keeps its budget, a pending restore survives a flush -------
+
+def _small_ssd_cache(tmp_path, pools, monkeypatch, size="1MiB"):
+    import histate.sglang_plugin.config as plugin_config
+    import histate.sglang_plugin.storage_backend as plugin_storage
+
+    for module in (plugin_config, plugin_storage):  # the 64 MiB floor is one Qwen3.5 checkpoint; these are small
+        monkeypatch.setattr(module, "MIN_SSD_SIZE_BYTES", 1 << 20)
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": size}, {})
+    return build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
+                         clock=ManualClock(1.0))
+
+
+def _fill(cache, pools, first_token, num_prompts):
+    driver = Driver(cache, pools)
+    for i in range(num_prompts):
+        start = first_token + 10_000 * i
+        driver.serve(list(range(start, start + 16 * PAGE)), [8 * PAGE, 16 * PAGE])
+        drain_backups(cache)
+
+
+def test_objects_from_before_a_restart_are_reclaimable(sglang_plugins, tmp_path, monkeypatch):
+    """A restarted server finds the store's old objects; no node knows them, so they are orphans the
+    trim reclaims first. Before the fix they were never tracked: the budget stayed full and every new
+    write failed with NO_CAPACITY."""
+    pools = build_pools(4096, 32)
+    first = _small_ssd_cache(tmp_path, pools, monkeypatch)
+    _fill(first, pools, 100_000, 11)
+    store = first.histate.ssd_tier.backend.store
+    written = store.stats_snapshot()["num_objects"]
+    assert written > 0 and store.used_bytes > 0.8 * store.config.capacity_bytes  # nearly full
+    first.histate.ssd_tier.backend.close()
+
+    pools = build_pools(4096, 32)
+    second = _small_ssd_cache(tmp_path, pools, monkeypatch)
+    tier = second.histate.ssd_tier
+    assert len(tier.orphans) == written  # found at attach
+    _fill(second, pools, 900_000, 11)  # as much again: only room the orphans give back can take it
+    stats = tier.backend.store.stats_snapshot()
+    assert stats["put_failures"] == {} and stats["evictions"] > 0
+    second.sanity_check()
+
+
+def test_a_flush_turns_every_ssd_object_into_an_orphan(sglang_plugins, tmp_path, monkeypatch):
+    pools = build_pools(4096, 32)
+    cache = _small_ssd_cache(tmp_path, pools, monkeypatch)
+    _fill(cache, pools, 100_000, 2)
+    store_keys = set(cache.histate.ssd_tier.backend.store.keys())
+    assert store_keys and not cache.histate.ssd_tier.orphans
+    cache.reset()  # SGLang's flush_cache
+    assert set(cache.histate.ssd_tier.orphans) == store_keys
+    _fill(cache, pools, 700_000, 1)  # the cache keeps working on the same store
+    cache.sanity_check()
+
+
+def test_a_flush_while_a_request_waits_for_its_restore(sglang_plugins, tmp_path):
+    """Pause, flush, resume while a request is held for an SSD restore: before the fix the resumed
+    scheduler polled the restore of a node the flush had deleted (KeyError in the tree core)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = build_pools(1024, 8)
+    cache, tokens, node, _ = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
+    backend = cache.histate.ssd_tier.backend
+    gate, read_state = threading.Event(), backend.read_state
+    backend.read_state = lambda *a, **k: (gate.wait(), read_state(*a, **k))[1]  # the read is slow
+    req = _request(tokens[:6 * PAGE] + [1] * PAGE)
+    req.init_next_round_input(cache)
+    assert not cache.check_prefetch_progress(req.cache_request_handle)  # held: the read runs
+    threading.Timer(0.05, gate.set).start()
+    cache.reset()  # flush_cache while paused: waits for the read, forgets the restore
+    deadline = time.monotonic() + 2.0
+    while not cache.check_prefetch_progress(req.cache_request_handle):  # resumed: polls its admission hold
+        assert time.monotonic() < deadline, "the request waits for a restore of a flushed tree"
+        time.sleep(0.002)
+    req.init_next_round_input(cache)
+    assert req.prefix_len == 0  # the flushed tree reuses nothing
+    host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
+    assert host_pool.available_size() == host_pool.size  # the flush gave every host slot back, once
+    Driver(cache, pools).serve(list(range(7000, 7000 + 8 * PAGE)), [8 * PAGE])
+    drain_backups(cache)
+    cache.sanity_check()

@@ -170,7 +170,7 @@ def test_histate_env_vars_without_enable_are_ignored(sglang_plugins, monkeypatch
 
 def test_a_bad_choice_is_one_line_not_sglangs_usage(sglang_plugins, capsys):
     line = _cli_error(capsys, ["--enable-histate", "--histate-chunk-align", "sometimes"])
-    assert line == "sglang serve: error: --histate-chunk-align: 'sometimes' is not one of off, floor, split"
+    assert line == "sglang serve: error: --histate-chunk-align: 'sometimes' is not one of grid, off"
 
 
 def test_engine_kwargs_path_reads_env_vars(sglang_plugins, monkeypatch, tmp_path):
@@ -327,3 +327,21 @@ def test_docs_list_every_flag_and_env_var():
         text = f.read()
     for opt in OPTIONS:
         assert opt.flag in text and opt.env in text, f"docs/sglang.md misses {opt.flag} / {opt.env}"
+
+
+@pytest.mark.parametrize("page_size", [128, 256])
+def test_pages_wider_than_the_state_grid_resolve(sglang_plugins, tmp_path, monkeypatch, page_size):
+    """SGLang requires `--mamba-track-interval` to be a multiple of the page
+    (`validate_mamba_extra_buffer`, arg_groups/mamba_hook.py:138). HiState sets the decode track
+    interval to the state grid, lcm(64, page): before the fix it set 64 and `--page-size 128` or 256
+    died with an empty AssertionError. (The extra buffer is CUDA-only; its platform check is answered
+    here as on a GPU host.)"""
+    import sglang.srt.arg_groups.mamba_hook as mamba_hook
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setattr(mamba_hook, "_platform_supports_mamba_cache_extra_buffer", lambda: True)
+    record = prepare_server_args(["--model-path", _hybrid_model(tmp_path), "--enable-histate", "--device", "cpu",
+                                  "--skip-tokenizer-init", "--histate-device-pool", "static",
+                                  "--page-size", str(page_size)])
+    record.resolve_once()
+    assert record.mamba_track_interval == page_size and record.page_size == page_size

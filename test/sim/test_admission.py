@@ -220,3 +220,14 @@ def test_engine_profiles_follow_the_policy_unless_overridden():
     assert what_if.grows and what_if.block_num_tokens == P  # page-granular policy on vLLM's scheduler
     with pytest.raises(ValueError, match="unknown engine"):
         engine_profile(make_policy("histate"), QWEN35_9B, base, P, engine="trt")
+
+
+def test_the_simulator_captures_every_planned_position_with_grid_cuts():
+    from histate.sim.workloads import demo_workload
+
+    """HiState's SGLang engine floors its cuts, so no planned position falls off the chunk grid; the
+    gate counts planned and captured interior positions (what benchmark/capture_realised.py reports)."""
+    run = replay(demo_workload(seed=0), "histate", ReplayConfig(max_live_sessions=8, max_sessions=16))
+    stats = run.engine_stats["admission"]
+    assert stats.planned_interior > 0
+    assert stats.captured_interior == stats.planned_interior and stats.off_grid == 0

@@ -4,11 +4,14 @@ Executors (histate.sim, histate.reference, histate.sglang_plugin, the CLI) impor
 `__all__` (test/core/test_layering.py checks it), so everything they share is visible here.
 """
 from .cache import HybridPrefixCache, InsertResult, RequestLease, make_cache
+from .capture import PassCaptures, captured_positions, floor_cut, split_pass
 from .config import (DEFAULT_CHUNK_PAGES, DEFAULT_EMA_ALPHA, DEFAULT_FIXED_INTERVAL_PAGES, DEFAULT_INTERVALS_PAGES,
-                     DEFAULT_INTERVALS_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR, STATE_GRID_TOKENS, CacheConfig)
+                     DEFAULT_INTERVALS_TOKENS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR,
+                     MIN_STAGING_SLOTS, STATE_GRID_TOKENS, CacheConfig, default_staging_slots)
 from .interval import Ema, IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
 from .observer import CacheObserver
 from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
+from .placement import TierPlan
 from .policy_state import PolicyState
 from .scoring import ScoringContext
 from .stats import CacheStats
@@ -20,10 +23,12 @@ from .victims import VictimHeap, reoffer
 __all__ = [
     "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheObserver", "CacheStats", "ConfigError", "DEFAULT_CHUNK_PAGES",
     "DEFAULT_EMA_ALPHA", "DEFAULT_FIXED_INTERVAL_PAGES", "DEFAULT_INTERVALS_PAGES", "DEFAULT_INTERVALS_TOKENS",
+    "DEFAULT_RESTORE_COST_TOKENS",
     "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
-    "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MatchResult", "Policy", "PolicyState",
-    "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS", "ScoringContext", "Tier", "TierOp",
-    "UnitKind", "VictimHeap", "available_policies", "checkpoint_at_or_above", "checkpoint_neighbours",
-    "checkpoints_above_removed_leaf", "choose_interval_pages", "continuous_optimum_pages", "make_cache",
-    "make_policy", "recompute_cost_pages", "register_policy", "reoffer", "units_of",
+    "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MIN_STAGING_SLOTS", "MatchResult",
+    "PassCaptures", "Policy", "PolicyState", "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
+    "ScoringContext", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
+    "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
+    "continuous_optimum_pages", "default_staging_slots", "floor_cut", "make_cache", "make_policy",
+    "recompute_cost_pages", "register_policy", "reoffer", "split_pass", "units_of",
 ]

@@ -56,9 +56,8 @@ class HybridPrefixCache:
         self._block_pages = config.block_pages if policy.block_granular else 1
         self.tree = RadixTree()
         self.stats = CacheStats()
-        plan = TierPlan(policy, self.ledger)
-        demotion = {t: (plan.lower_tiers(t)[0] if plan.lower_tiers(t) else None) for t in policy.tiers}
-        self.state = PolicyState(policy, config, demotion)
+        plan = TierPlan.of_ledger(policy, self.ledger)
+        self.state = PolicyState(policy, config, plan.demotion(ItemKind.KV), plan.demotion(ItemKind.CHECKPOINT))
         self.book = ItemBook(config, self.ledger, self.stats, self._on_put, self._on_item_gone)
         self.evictor = Evictor(self.tree, self.book, self.state, plan)
         self.placement = Placement(self.book, self.evictor, plan)
@@ -390,6 +389,10 @@ class HybridPrefixCache:
             self.stats.num_checkpoint_failures += 1
             return 0
         node.ckpt_access_s = node.ckpt_created_s = now_s
+        if tier != Tier.GPU and self.policy.captures_in_pass:
+            # Captured by the forward pass, the state entered the device before its home tier (the SGLang
+            # plugin's capture slot): Little's law sees it arrive there too.
+            self.state.on_bytes_in(Tier.GPU, self.config.checkpoint_size_bytes, now_s)
         book.put(node, ItemKind.CHECKPOINT, tier, "put")
         self.placement.copy_down(node, ItemKind.CHECKPOINT, now_s)
         self.evictor.touch_checkpoint_neighbourhood(node)

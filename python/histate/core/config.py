@@ -51,6 +51,23 @@ the recurrent state is tracked where the sequence length is a multiple of 256 to
 request donates the last one (managers/schedule_batch.py:3815-3816)."""
 
 
+DEFAULT_RESTORE_COST_TOKENS = {Tier.CPU: 0.0134, Tier.SSD: 0.186}
+"""Recompute-tokens it costs to restore one token of KV from each tier (eq. 2 restore time over the
+prefill time of one token): what the simulator's cost model gives for Qwen3.5-9B on one H100 (host link
+64 GB/s, SSD 5 GB/s, an 8,192-token chunk on a 32K context; `sim.costs.restore_cost_tokens`, pinned by a
+test). The SGLang plugin's default for eq. 7's demotion charge (`--histate-restore-cost`)."""
+
+MIN_STAGING_SLOTS = 16
+"""Fewest host state slots HiState keeps (`--histate-host-state-slots` auto): the host tier holds KV;
+checkpoints only pass through these slots on their way to SSD and back (asymmetric tiering)."""
+
+
+def default_staging_slots(max_running_requests: int) -> int:
+    """Host state slots HiState keeps by default: two per running request (one on its way to SSD,
+    one being restored), at least MIN_STAGING_SLOTS."""
+    return max(MIN_STAGING_SLOTS, 2 * max_running_requests)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_num_tokens: int = STATE_GRID_TOKENS

@@ -198,7 +198,7 @@ class Evictor:
             book.drop(node, kind, tier)
             return "shed"
         size = book.size(node, kind)
-        for lower in self.plan.lower_tiers(tier):
+        for lower in self.plan.lower_tiers(tier, kind):
             if self.make_room(book.pool(lower, kind), size, now_s):
                 book.move(node, kind, tier, lower)
                 return "demote"

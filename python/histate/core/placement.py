@@ -3,12 +3,16 @@
 KV prefers GPU, then CPU, then SSD (demotion instead of deletion where a lower tier has room);
 non-terminal checkpoints go to the policy's historical tier (SSD for HiState); a terminal checkpoint
 that becomes intermediate is retired there; reused KV comes back to the GPU. Inclusive (write-through)
-policies copy every new item down all tiers instead of moving it. The decisions use the evictor to make
-room and the item book to move copies; they never score anything themselves.
+policies copy every new item down all tiers instead of moving it; a checkpoint only into the tiers
+its policy keeps checkpoints in (`Policy.checkpoint_tiers`: HiState's host tier holds KV, its state
+slots there only stage transfers). Under write-through a retired checkpoint whose home tier already
+holds a copy leaves the faster tiers (HiState in SGLang: device and host copies go once the SSD copy
+is acknowledged). The decisions use the evictor to make room and the item book to move copies; they
+never score anything themselves.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from .items import ItemBook
 from .ledger import Ledger
@@ -21,20 +25,33 @@ if TYPE_CHECKING:
 
 
 class TierPlan:
-    """The tiers a policy uses, in order: pure lookups on the policy and the ledger."""
+    """The tiers a policy uses, in order: pure lookups on the policy and the tiers that exist (the
+    ledger's, or, for an executor without a core ledger, the tiers it was given: the SGLang plugin)."""
 
-    def __init__(self, policy: Policy, ledger: Ledger):
+    def __init__(self, policy: Policy, present: Iterable[Tier]):
         self.policy = policy
-        self.ledger = ledger
-        self._lower = {t: [u for u in policy.tiers if u > t and ledger.has_tier(u)] for t in Tier}
+        self.present = frozenset(present)
+        checkpoint_tiers = policy.checkpoint_tiers if policy.checkpoint_tiers is not None else policy.tiers
+        self._lower = {
+            kind: {t: [u for u in tiers if u > t and u in self.present] for t in Tier}
+            for kind, tiers in ((ItemKind.KV, policy.tiers), (ItemKind.CHECKPOINT, checkpoint_tiers))}
 
-    def lower_tiers(self, tier: Tier) -> list:
-        return self._lower[tier]
+    @classmethod
+    def of_ledger(cls, policy: Policy, ledger: Ledger) -> "TierPlan":
+        return cls(policy, [t for t in Tier if ledger.has_tier(t)])
+
+    def lower_tiers(self, tier: Tier, kind: ItemKind = ItemKind.KV) -> list:
+        """The tiers below `tier` that can hold `kind`, fastest first."""
+        return self._lower[kind][tier]
+
+    def demotion(self, kind: ItemKind) -> dict:
+        """tier -> the tier a `kind` copy evicted from it moves to (None: it is dropped)."""
+        return {t: (self._lower[kind][t][0] if self._lower[kind][t] else None) for t in self.policy.tiers}
 
     def historical_tier(self) -> Tier:
         """Where a non-terminal checkpoint lives: the policy's choice if that tier exists, else GPU."""
         wanted = self.policy.historical_tier
-        if wanted is not None and self.ledger.has_tier(wanted):
+        if wanted is not None and wanted in self.present:
             return wanted
         return Tier.GPU
 
@@ -57,7 +74,7 @@ class Placement:
         book = self.book
         size = book.size(node, kind)
         book.pin(node)
-        for tier in self.plan.lower_tiers(Tier.GPU):
+        for tier in self.plan.lower_tiers(Tier.GPU, kind):
             if not book.mask(node, kind) & (1 << tier) and self.evictor.make_room(book.pool(tier, kind), size, now_s):
                 book.put(node, kind, tier, "copy", Tier.GPU)
         book.unpin(node)
@@ -81,16 +98,23 @@ class Placement:
         return size
 
     def retire_terminal(self, node: Node, now_s: float) -> None:
-        """A terminal checkpoint just became intermediate: send it to the historical tier."""
+        """A terminal checkpoint just became intermediate: it lives in the historical tier from now on.
+        A copy already there (write-through) stays and the faster copies go; otherwise the fastest copy
+        moves there when room can be made."""
         book = self.book
         home = self.plan.historical_tier()
-        if self.write_through or node.ckpt_mask & (1 << home):
+        faster = [t for t in tiers_in(node.ckpt_mask) if t < home]
+        if not faster:
             return
-        src = min(tiers_in(node.ckpt_mask))
-        if src >= home:
+        if node.ckpt_mask & (1 << home):
+            for tier in faster:
+                book.drop(node, ItemKind.CHECKPOINT, tier)
+            self.evictor.touch(node)
             return
+        if self.write_through:
+            return  # the write-through copy could not be made; the faster copy keeps the checkpoint
         book.pin(node)
         if self.evictor.make_room(book.pool(home, ItemKind.CHECKPOINT), book.config.checkpoint_size_bytes, now_s):
-            book.move(node, ItemKind.CHECKPOINT, src, home)
+            book.move(node, ItemKind.CHECKPOINT, faster[0], home)
             self.evictor.touch(node)
         book.unpin(node)

@@ -26,9 +26,10 @@ class PolicyState:
     (the checkpoint grid), so one PolicyState serves both."""
 
     def __init__(self, policy: Policy, config: CacheConfig, demotion_tier: Optional[dict] = None,
-                 node_unit_tokens: Optional[int] = None):
-        """`demotion_tier`: tier -> the tier a unit evicted from it moves to (None: dropped); with the
-        config's restore costs it lets eq. 7 charge a demotion its transfer (policies opt in)."""
+                 checkpoint_demotion_tier: Optional[dict] = None, node_unit_tokens: Optional[int] = None):
+        """`demotion_tier`: tier -> the tier a KV unit evicted from it moves to (None: dropped);
+        `checkpoint_demotion_tier` the same for a checkpoint (default: `demotion_tier`). With the
+        config's restore costs they let eq. 7 charge a demotion its transfer (policies opt in)."""
         self.policy = policy
         self.config = config
         unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
@@ -48,11 +49,11 @@ class PolicyState:
         # for k = 1..window, from observed hits; policies that keep the paper's uniform prior ignore it.
         self.learns_near_end = getattr(policy, "learns_reuse_positions", False)
         self.near_end_hits = [Ema(config.ema_alpha, 0.0) for _ in range(NEAR_END_WINDOW_PAGES)]
-        self._restore_cost, self._demotion_tier = (), ()
+        self._restore_cost, self._demotion_tier, self._checkpoint_demotion_tier = (), (), ()
         if getattr(policy, "charges_demotions", False) and config.restore_cost_tokens and demotion_tier:
             self._restore_cost = tuple(float(config.restore_cost_tokens.get(t, 0.0)) for t in ALL_TIERS)
-            self._demotion_tier = tuple(-1 if demotion_tier.get(t) is None else int(demotion_tier[t])
-                                        for t in ALL_TIERS)
+            self._demotion_tier = _tier_indices(demotion_tier)
+            self._checkpoint_demotion_tier = _tier_indices(checkpoint_demotion_tier or demotion_tier)
         self._ctx = self._context()
 
     # --- scoring (eq. 7) ---------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class PolicyState:
     def _context(self) -> ScoringContext:
         probs = tuple(e.value for e in self.near_end_hits) if self.learns_near_end else ()
         return ScoringContext.of(self.config, self.terminal_hits.value, probs, self._restore_cost,
-                                 self._demotion_tier, self.node_unit_tokens)
+                                 self._demotion_tier, self.node_unit_tokens, self._checkpoint_demotion_tier)
 
     def end_offset(self, node, match_units: int) -> Optional[int]:
         """Where a request left the cached tree, in pages before the end of the most recently used
@@ -187,3 +188,8 @@ class PolicyState:
 
     def pressure_ratio(self, now_s: Optional[float] = None) -> float:
         return self.controller.pressure_ratio(now_s)
+
+
+def _tier_indices(demotion: dict) -> tuple:
+    """tier -> lower tier (or None) as a tuple over `ALL_TIERS` of tier indices (-1: dropped)."""
+    return tuple(-1 if demotion.get(t) is None else int(demotion[t]) for t in ALL_TIERS)

@@ -32,12 +32,17 @@ class ScoringContext:
     near_end_stride: int = 1
     """Node units per page of the near-end prior: 1 when nodes count pages (the core's tree); the page
     in tokens when an executor's tree is token-granular (SGLang's), so p'_k still means k pages."""
+    checkpoint_demotion_tier: tuple = ()
+    """`demotion_tier` for a checkpoint unit, where checkpoints skip a tier (HiState: the host holds KV,
+    a checkpoint leaving the device goes to SSD). Empty: the same as `demotion_tier`."""
 
     @classmethod
     def of(cls, config, terminal_prob: float, near_end_probs: tuple = (), restore_cost: tuple = (),
-           demotion_tier: tuple = (), node_unit_tokens: "int | None" = None) -> "ScoringContext":
+           demotion_tier: tuple = (), node_unit_tokens: "int | None" = None,
+           checkpoint_demotion_tier: tuple = ()) -> "ScoringContext":
         """The context for nodes whose `keys` / `depth_pages` count `node_unit_tokens` tokens each
         (default: the config's page, the core's own tree)."""
         unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
         return cls(config.tau_s, unit, config.checkpoint_token_equiv, terminal_prob, near_end_probs,
-                   restore_cost, demotion_tier, config.attention_pair_tokens, config.page_num_tokens // unit)
+                   restore_cost, demotion_tier, config.attention_pair_tokens, config.page_num_tokens // unit,
+                   checkpoint_demotion_tier)

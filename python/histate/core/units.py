@@ -203,7 +203,9 @@ def expected_cost_tokens(node: Node, unit: UnitKind, bit: int, ctx) -> float:
     restore_cost, in recompute-tokens per token of KV). Without restore costs every eviction is charged
     its recompute, as in the paper."""
     tier = _TIER_OF_BIT[bit]
-    lower = ctx.demotion_tier[tier] if ctx.demotion_tier else -1
+    demotion = ctx.checkpoint_demotion_tier if unit is UnitKind.CHECKPOINT and ctx.checkpoint_demotion_tier \
+        else ctx.demotion_tier
+    lower = demotion[tier] if demotion else -1
     if lower < 0:
         return expected_recompute_tokens(node, unit, ctx.terminal_prob, ctx.page_num_tokens, ctx.near_end_probs,
                                          ctx.near_end_stride)

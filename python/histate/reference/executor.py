@@ -108,6 +108,8 @@ class ReferenceExecutor:
         self.checkpoint_fault = checkpoint_fault
         self.op_counts: Counter = Counter()  # (action, kind, src, dst) -> ops applied
         self.num_lost_objects = 0  # SSD objects found missing or corrupt, each served as a miss
+        self._unwritten: set = set()  # (tier, page key) a failed copy left empty until the core drops it
+        self.num_copies_forgotten = 0  # copies the core forgot on the executor's reports (>= lost objects)
 
     # --- serving -----------------------------------------------------------------------------
 
@@ -182,10 +184,13 @@ class ReferenceExecutor:
         return kv_pages, kv_read, checkpoint
 
     def _report_lost(self, keys: list, lost: ObjectLost, now_s: float) -> None:
+        """Forget the lost SSD object, and the copies a failed copy or move was to make from it."""
         depth = keys.index(lost.key) + 1
         kind = ItemKind.CHECKPOINT if lost.is_checkpoint else ItemKind.KV
         self.num_lost_objects += 1
-        if not self.cache.report_lost(keys, depth, kind, Tier.SSD, now_s):
+        reported = [self.cache.report_lost(keys, depth, kind, tier, now_s) for tier in (*lost.also_in, Tier.SSD)]
+        self.num_copies_forgotten += sum(reported)
+        if not any(reported):
             raise StoreMismatch(f"the core does not hold the lost {kind.value} at page {depth}") from lost
         self._apply(self.cache.drain_ops(), _Staged())
 
@@ -199,15 +204,25 @@ class ReferenceExecutor:
     # --- replaying the core's data movements -------------------------------------------------
 
     def _apply(self, ops: list[TierOp], staged: _Staged) -> None:
+        """Replay the core's ops. A copy or move whose SSD source is gone is skipped and the rest still
+        applied (the core already counts them), then the loss is raised for `serve` to report."""
         pending_gpu_puts: list[PageKey] = []
+        lost = None
         for op in ops:
             self.op_counts[(op.action, op.kind.value, op.src, op.dst)] += 1
             if op.action == "put" and op.kind is ItemKind.CHECKPOINT and op.dst is Tier.GPU:
                 pending_gpu_puts.append(op.page_keys[0])  # batched into one gather below
                 continue
             self._flush_gpu_puts(pending_gpu_puts, staged)
-            self._apply_one(op, staged)
+            try:
+                self._apply_one(op, staged)
+            except ObjectLost as err:
+                err.also_in = (op.dst,)
+                self._unwritten.update((op.dst, key) for key in op.page_keys)
+                lost = lost or err
         self._flush_gpu_puts(pending_gpu_puts, staged)
+        if lost is not None:
+            raise lost
 
     def _flush_gpu_puts(self, keys: list[PageKey], staged: _Staged) -> None:
         if keys:
@@ -233,6 +248,9 @@ class ReferenceExecutor:
                     stores[op.src].delete(key)
         elif op.action == "drop":
             for key in op.page_keys:
+                if (op.src, key) in self._unwritten:  # the copy that was to put it there failed
+                    self._unwritten.discard((op.src, key))
+                    continue
                 stores[op.src].delete(key)
         else:
             raise StoreMismatch(f"unknown op action {op.action!r}")

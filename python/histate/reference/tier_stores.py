@@ -33,6 +33,7 @@ class ObjectLost(RuntimeError):
         super().__init__(message)
         self.key = key
         self.is_checkpoint = is_checkpoint
+        self.also_in: tuple = ()  # tiers a failed copy or move was to fill: the core counts it there too
 
 
 class StoreMismatch(RuntimeError):

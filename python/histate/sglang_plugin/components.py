@@ -142,6 +142,24 @@ class HiStateMambaComponent(_HiStateWalks, MambaComponent):
             runtime.new_checkpoint(core, now_s)
             runtime.bytes_in(Tier.GPU, runtime.core_config.checkpoint_size_bytes)
 
+    def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int,
+                                is_finished: bool) -> Optional[int]:
+        """An extra checkpoint of a pass (capture.py) is inserted with its own slot and length; the
+        request's own slots and tracked lengths are SGLang's business and stay untouched."""
+        capture = self.cache._hs_inserting
+        if capture is None:
+            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+        insert_params.mamba_value = capture.slot
+        return capture.position
+
+    def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
+                                  insert_params: Any = None) -> None:
+        capture = self.cache._hs_inserting
+        if capture is None:
+            super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+        elif insert_result is None or insert_result.mamba_exist:  # not inserted, or the tree had that state
+            self.cache.req_to_token_pool.mamba_allocator.free(capture.slot)
+
     def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
         """The split head inherits the KV stamps and KV tiers; the checkpoint stays at the tail's end
         (the core's `RadixTree.split`)."""

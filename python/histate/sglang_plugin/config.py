@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 # Defaults and the state grid have one home, histate.core.config (read by the CLI, ReplayConfig and here).
-from histate.core import DEFAULT_INTERVALS_TOKENS, DEFAULT_TAU_S, STATE_GRID_TOKENS
+from histate.core import DEFAULT_INTERVALS_TOKENS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S, STATE_GRID_TOKENS, Tier
 
 CONFIG_ATTR = "_histate_config"
 """Name of the underscore bookkeeping attribute on ServerArgs (pickled with the record)."""
 
 DEVICE_POOL_CHOICES = ("unified", "static")
 SSD_BACKEND_CHOICES = ("auto", "nixl", "file")
-CHUNK_ALIGN_CHOICES = ("off", "floor", "split")
+CHUNK_ALIGN_CHOICES = ("grid", "off")
 
 
 class HiStateConfigError(ValueError):
@@ -185,6 +185,16 @@ def _parse_count(text: Any, *, option: str) -> int:
     return value
 
 
+def parse_restore_costs(text: Any, *, option: str) -> tuple[float, float]:
+    """'0.0134,0.186' (or two CLI values) -> (host, SSD) restore costs in recompute-tokens per KV token."""
+    items = text if isinstance(text, (list, tuple)) else re.split(r"[,\s]+", str(text).strip())
+    items = [item for item in items if str(item).strip()]
+    if len(items) != 2:
+        raise HiStateConfigError(f"{option}: give two numbers, the host and the SSD restore cost, got {text!r}")
+    host, ssd = (_parse_float(item, option=option) for item in items)
+    return host, ssd
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[..., str]:
     def parse(text: Any, *, option: str) -> str:
         value = str(text).strip().lower()
@@ -243,10 +253,14 @@ OPTIONS: tuple[Option, ...] = (
            help="SSD I/O engine: 'nixl' (NIXL POSIX), 'file' (plain files, same format) or 'auto'."),
     Option("chunk_align", "--histate-chunk-align", "HISTATE_CHUNK_ALIGN", _choice(CHUNK_ALIGN_CHOICES),
            choices=CHUNK_ALIGN_CHOICES,
-           help="Chunked prefill vs planned checkpoints: 'floor' (default) ends a cut chunk on the "
-                "last planned position inside it (no extra forward passes); 'split' also cuts at "
-                "every planned position (one extra pass per extra checkpoint); 'off' leaves "
-                "SGLang's chunking alone."),
+           help="Chunked-prefill cuts: 'grid' (default) floors each cut to the 64-token state grid, so "
+                "every later pass captures its planned checkpoints (no pass is added); 'off' keeps "
+                "SGLang's cuts, and planned checkpoints after an off-grid cut are dropped."),
+    Option("restore_costs", "--histate-restore-cost", "HISTATE_RESTORE_COST", parse_restore_costs,
+           nargs="+", metavar="COST",
+           help="Eq. 7's charge for a unit moved down a tier instead of dropped: restoring one token of "
+                "KV from host DRAM and from SSD, in tokens of prefill (e.g. 0.0134 0.186, the default: "
+                "Qwen3.5-9B on an H100). Restore seconds per KV token / prefill seconds per token."),
 )
 OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS}
 
@@ -263,7 +277,8 @@ class HiStateConfig:
     host_state_slots: int = 0
     device_pool: str = "unified"
     ssd_backend: str = "auto"
-    chunk_align: str = "floor"
+    chunk_align: str = "grid"
+    restore_costs: tuple[float, float] = (DEFAULT_RESTORE_COST_TOKENS[Tier.CPU], DEFAULT_RESTORE_COST_TOKENS[Tier.SSD])
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     """field -> 'cli' | 'env' | 'default': where each value came from (for logs and errors)."""
 

@@ -25,7 +25,8 @@ from typing import Any, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
-MIN_STAGING_SLOTS = 16
+from histate.core import default_staging_slots  # one home: core.config (the simulator sizes the host the same way)
+
 GB = 10**9  # SGLang's host sizes (--hicache-size, host_size) are decimal GB
 
 
@@ -49,11 +50,6 @@ def stock_host_split(budget_bytes: int, device_kv_bytes: int, device_state_bytes
     state_bytes = budget_bytes * device_state_bytes // (device_kv_bytes + device_state_bytes)
     state_slots = state_bytes // state_slot_bytes
     return HostSplit(budget_bytes, budget_bytes - state_bytes, state_bytes, state_slots, state_slot_bytes)
-
-
-def default_staging_slots(max_running_requests: int) -> int:
-    """Two state slots per running request (one on its way to SSD, one being restored)."""
-    return max(MIN_STAGING_SLOTS, 2 * max_running_requests)
 
 
 def histate_host_split(budget_bytes: int, state_slot_bytes: int, staging_slots: int) -> HostSplit:

@@ -13,7 +13,10 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_evictions_total{unit,tier}     eviction decisions by unit (checkpoint | bundle) and tier
   sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
   sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
-  sglang:histate_prefill_chunk_cuts_total{kind} chunk ends moved onto planned checkpoints
+  sglang:histate_prefill_chunk_cuts_total{kind} chunked-prefill cuts floored to the state grid
+  sglang:histate_captures_total{result}         planned checkpoints of prefill passes: tracked | extra |
+                                                off_grid | no_slot (the last two dropped)
+  sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
   sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
 
 Every value is also kept as a plain integer in `totals` (tests and benchmarks read these), so
@@ -70,8 +73,12 @@ class HiStateMetrics:
                 ("unit", "tier"))
         counter("ssd_read_bytes_total", "Bytes read from HiState's SSD tier.")
         counter("ssd_written_bytes_total", "Bytes written to HiState's SSD tier.")
-        counter("prefill_chunk_cuts_total", "Chunked-prefill chunk ends moved onto planned "
-                "checkpoint positions ('split' adds a forward pass, 'floor' does not).", ("kind",))
+        counter("prefill_chunk_cuts_total", "Chunked-prefill cuts floored to the state grid so the next pass "
+                "captures its planned checkpoints (no pass is added).", ("kind",))
+        counter("captures_total", "Planned checkpoints of prefill passes: 'tracked' (SGLang's track slot), "
+                "'extra' (a slot of their own, same pass), 'off_grid' / 'no_slot' (dropped).", ("result",))
+        counter("checkpoints_homed_total", "Device or host copies of historical checkpoints dropped once "
+                "their SSD copy was acknowledged (asymmetric tiering).")
         counter("ssd_restores_total", "Checkpoints restored from the SSD tier to a host slot; 'miss' when "
                 "any rank could not read its copy (the request then runs without it).", ("result",))
         self._prom["checkpoints"] = gauge_cls(
@@ -106,6 +113,13 @@ class HiStateMetrics:
 
     def record_chunk_cut(self, kind: str) -> None:
         self._inc("prefill_chunk_cuts_total", 1, kind=kind)
+
+    def record_captures(self, result: str, count: int) -> None:
+        if count:
+            self._inc("captures_total", count, result=result)
+
+    def record_homed(self, count: int) -> None:
+        self._inc("checkpoints_homed_total", count)
 
     def set_checkpoints(self, tier: str, count: int) -> None:
         self.totals[("checkpoints", tier)] = count

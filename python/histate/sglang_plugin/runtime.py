@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
-from histate.core import SGLANG_TIER_NAMES, CacheConfig, PolicyState, Tier, UnitKind, make_policy
+from histate.core import SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, Tier, TierPlan, UnitKind, make_policy
 
 from .config import HiStateConfig
 from .core_nodes import CoreNode, core_of
@@ -35,20 +35,34 @@ class HiStateRuntime:
         self.clock = clock
         self.metrics = metrics if metrics is not None else HiStateMetrics()
         self._policy = policy if policy is not None else make_policy("histate")
+        host_cost, ssd_cost = config.restore_costs
         self.core_config = CacheConfig(
             page_num_tokens=grid_tokens, kv_bytes_per_token=kv_bytes_per_token,
             checkpoint_size_bytes=checkpoint_bytes, capacity_bytes={Tier.GPU: device_bytes}, tau_s=config.tau_s,
-            supported_intervals_pages=config.intervals_pages(grid_tokens))
-        self.state = PolicyState(self._policy, self.core_config, node_unit_tokens=1)
+            supported_intervals_pages=config.intervals_pages(grid_tokens),
+            restore_cost_tokens={Tier.CPU: host_cost, Tier.SSD: ssd_cost})
+        self.tiers = {Tier.GPU}
+        self.state = self._policy_state()
         self.victims = TierVictims(self.state)
         self.ssd_tier: Any = None  # ssd_tier.SsdTier once an SSD backend is attached
 
-    def add_ssd_capacity(self, ssd_bytes: int) -> None:
-        """The SSD tier exists (attached while SGLang builds the cache, before any request): the home
-        tier of historical checkpoints, whose capacity Little's law needs (T_state before evictions)."""
-        self.core_config = dataclasses.replace(
-            self.core_config, capacity_bytes={**self.core_config.capacity_bytes, Tier.SSD: ssd_bytes})
-        self.state = self.victims.state = PolicyState(self._policy, self.core_config, node_unit_tokens=1)
+    def _policy_state(self) -> PolicyState:
+        """The policy state over the tiers that exist: eq. 7 charges a unit leaving a tier the restore
+        from the tier it moves to (KV: device -> host -> SSD; a checkpoint: device -> SSD, the host's
+        state slots only stage), as the simulator's cache does (`TierPlan`)."""
+        plan = TierPlan(self._policy, self.tiers)
+        return PolicyState(self._policy, self.core_config, plan.demotion(ItemKind.KV),
+                           plan.demotion(ItemKind.CHECKPOINT), node_unit_tokens=1)
+
+    def add_tier(self, tier: Tier, capacity_bytes: Optional[int] = None) -> None:
+        """A tier exists from now on (attached while SGLang builds the cache, before any request). The
+        SSD is the home tier of historical checkpoints, whose capacity Little's law needs (T_state before
+        evictions)."""
+        self.tiers.add(tier)
+        if capacity_bytes is not None:
+            self.core_config = dataclasses.replace(
+                self.core_config, capacity_bytes={**self.core_config.capacity_bytes, tier: capacity_bytes})
+        self.state = self.victims.state = self._policy_state()
 
     def bytes_in(self, tier: Tier, size_bytes: int) -> None:
         """Bytes entered a tier (an insert, a load-back, an acknowledged SSD backup): the insertion rates

@@ -9,6 +9,7 @@ argparse namespace), so it is testable without building a server. No sglang impo
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Callable, Optional
 
@@ -148,8 +149,10 @@ def implied_settings(raw: Any, config: HiStateConfig) -> dict[str, Any]:
     if _flag(raw, "mamba_track_interval", SGLANG_MAMBA_TRACK_INTERVAL) == SGLANG_MAMBA_TRACK_INTERVAL:
         # A finished request donates its last decode state on this grid; at SGLang's 256 the next turn,
         # which carries the output, recomputes up to 255 output tokens. The state grid (64) keeps it
-        # under 64 for one state copy per 64 decode steps (docs/sglang.md, "Decode states").
-        wanted["mamba_track_interval"] = STATE_GRID_TOKENS
+        # under 64 for one state copy per 64 decode steps (docs/sglang.md, "Decode states"). SGLang
+        # requires a multiple of the page (`validate_mamba_extra_buffer`, arg_groups/mamba_hook.py:138):
+        # with --page-size 128 or 256 the grid is the page.
+        wanted["mamba_track_interval"] = math.lcm(STATE_GRID_TOKENS, _flag(raw, "page_size") or 1)
     if config.device_pool == "unified":
         wanted["enable_unified_memory"] = True
     if config.has_ssd:

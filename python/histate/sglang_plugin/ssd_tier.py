@@ -17,6 +17,16 @@ lowest-ranked units are deleted down to `LOW_WATERMARK`, counted in nominal size
 alike. The store's own `on_capacity_needed` (SGLang's backup thread, between two steps) gets
 `pick_ssd_victims`: orphan keys only, from a snapshot, so it never reads the tree off its thread.
 
+Asymmetric tiering (paper §3.1): a historical checkpoint (its node has a child: a later position of
+the trajectory holds state) lives on SSD alone. Once its SSD copy is acknowledged and nothing uses
+its device or host copy, `home_historical` (once per step) tombstones both with SGLang's own eviction
+primitives, as the MAMBA walk does for an internal state; a terminal checkpoint keeps its device copy
+until it becomes historical. Candidates are the states that reached SSD or came back to the device.
+
+Restarts and flushes: objects already in the store when the tier is attached (a restart), and every
+object of a tree SGLang flushed (`flush_cache`), become orphans, so the trim can reclaim them; restores
+in flight at a flush are waited for and forgotten (their host slots belong to the flushed host pool).
+
 Restores: an SSD-only checkpoint is not a hit of SGLang's match (its validators see device and host).
 A request's match notes the deepest SSD checkpoint on its matched KV path (`note_match`); when the
 scheduler is about to admit the request it asks `check_prefetch_progress` (scheduler.py:4240-4246, the
@@ -78,6 +88,11 @@ class SsdTier:
         self._abandoned: list = []  # restores of aborted requests whose read still runs
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="histate-ssd-restore")
         self.agreed_used_bytes = 0
+        self.homing: dict = {}  # id -> CoreNode whose faster state copies may go once it is historical
+        store = backend.store
+        for key in store.keys():  # written before this process (a restart): no node knows them
+            self.orphans[key] = store.payload_bytes(key) or 0
+        self._orphan_keys = tuple(self.orphans)
         backend.pick_victims = self.pick_ssd_victims
         self.runtime.victims.enable_tier(Tier.SSD)
 
@@ -112,31 +127,81 @@ class SsdTier:
         if not node.is_alive:
             self._orphan(backup.page_hashes, backup.page_hashes if backup.with_state else ())
             return
-        had_checkpoint = bool(node.ckpt_mask)
+        had_checkpoint, had_ssd_state = bool(node.ckpt_mask), node.ssd_state
         if backup.with_state and node.sg.hash_value and node.sg.hash_value[-1] == backup.page_hashes[-1]:
             node.ssd_state = True
             self.runtime.state.on_state_written(self.runtime.now())
+            self.note_state_copy(node)
         written = set(backup.page_hashes)
         victims = self.runtime.victims
-        marked = []
+        marked, new_kv_tokens = [], 0
         head = node
         while head.sg.parent is not None and head.sg.hash_value and set(head.sg.hash_value) <= written:
+            new_kv_tokens += 0 if head.ssd_kv else len(head.keys)  # a state's later backup rewrites its node
             head.ssd_kv = True  # the node, and the heads split off it since the backup started
             marked.append(head)
             head = head.parent
         if node.ckpt_mask and not had_checkpoint:
             victims.touch_checkpoint_neighbourhood(node)
-        self.runtime.bytes_in(Tier.SSD, len(backup.page_hashes) * self.cache.page_size * self.kv_bytes_per_token
-                              + (self.checkpoint_bytes if node.ssd_state else 0))
+        self.runtime.bytes_in(Tier.SSD, new_kv_tokens * self.kv_bytes_per_token
+                              + (self.checkpoint_bytes if node.ssd_state and not had_ssd_state else 0))
         for changed in marked + ([head] if head.sg.parent is not None else []):
             victims.touch(changed)  # new SSD units; `head` is no longer an SSD tier-leaf
 
     def on_node_removed(self, node: CoreNode) -> None:
         """SGLang deleted `node`: its SSD objects become orphans."""
         hashes = tuple(node.sg.hash_value or ())
+        self.homing.pop(id(node), None)
         if node.ssd_kv or node.ssd_state:
             self._orphan(hashes if node.ssd_kv else (), hashes if node.ssd_state else ())
             node.ssd_kv = node.ssd_state = False
+
+    def on_tree_reset(self, nodes) -> None:
+        """SGLang is about to drop its whole tree (`flush_cache`): every object on SSD becomes an
+        orphan; restores in flight are waited for (their reads write into host slots the flush hands
+        back) and forgotten, so no request waits on a node that is gone."""
+        for job in list(self.restores.values()) + self._abandoned:
+            try:
+                job.read.result()
+            except Exception:  # a failed read is a miss; nothing of it is used
+                pass
+        self.restores.clear()
+        self._abandoned = []
+        self.candidates.clear()
+        self.homing.clear()
+        for node in nodes:
+            self.on_node_removed(node)
+
+    # --- asymmetric tiering: historical checkpoints live on SSD -----------------------------------
+
+    def note_state_copy(self, node: CoreNode) -> None:
+        """`node`'s state is on SSD and may have a device or host copy: retire those once it is
+        historical (`home_historical`)."""
+        if node.ssd_state:
+            self.homing[id(node)] = node
+
+    def home_historical(self) -> int:
+        """Tombstone the device and host copies of historical checkpoints whose SSD copy is
+        acknowledged and that nothing holds (locks, DMA in flight). Scheduler thread, once per step;
+        every input is agreed (SSD acks, the tree). Returns how many copies went."""
+        done, dropped = [], 0
+        for key, node in self.homing.items():
+            if not node.is_alive or not node.ssd_state:
+                done.append(key)
+                continue
+            if not node.sg.children:
+                continue  # still a terminal checkpoint: its device copy serves the next turn
+            result = self.cache.retire_state_copies(node.sg)
+            if result is None:
+                continue  # held; try again next step
+            dropped += result
+            done.append(key)
+            self.runtime.victims.touch(node)
+        for key in done:
+            self.homing.pop(key, None)
+        if dropped:
+            self.runtime.metrics.record_homed(dropped)
+        return dropped
 
     def _orphan(self, kv_hashes: tuple, state_hashes: tuple) -> None:
         page_bytes = self.kv_bytes_per_token * self.cache.page_size

@@ -80,6 +80,7 @@ class HiStateRadixCache(UnifiedRadixCache):
             checkpoint_bytes=state_bytes, device_bytes=device_bytes(params, kv_bytes, state_bytes),
             clock=clock or self.agreed_clock, policy=policy, metrics=metrics)
         self._hs_agreeing = False
+        self._hs_inserting = None  # the capture.Capture `checkpoint` is inserting (components.py reads it)
         super().__init__(params)
         self.tree_core.histate = self.histate
         self.histate.victims.tree_core = self.tree_core
@@ -89,6 +90,7 @@ class HiStateRadixCache(UnifiedRadixCache):
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
         self.histate.victims.enable_tier(Tier.CPU)
+        self.histate.add_tier(Tier.CPU)
         backend = getattr(self.cache_controller, "storage_backend", None)
         self.attach_ssd(getattr(backend, "_backend", backend))
 
@@ -101,7 +103,7 @@ class HiStateRadixCache(UnifiedRadixCache):
             return
         backend.metrics = self.histate.metrics
         if Tier.SSD not in self.histate.core_config.capacity_bytes:
-            self.histate.add_ssd_capacity(backend.store.config.capacity_bytes)
+            self.histate.add_tier(Tier.SSD, backend.store.config.capacity_bytes)
         self.histate.ssd_tier = SsdTier(self, backend)
 
     def detach_storage_backend(self) -> tuple[bool, str]:
@@ -173,8 +175,42 @@ class HiStateRadixCache(UnifiedRadixCache):
         super().check_hicache_events()
         tier = self.histate.ssd_tier
         if tier is not None:
+            tier.home_historical()
             tier.trim()
             tier.reap()
+
+    def retire_state_copies(self, sg: Any) -> Optional[int]:
+        """Drop the device and host copies of `sg`'s state, keeping the node, its KV and its SSD copy
+        (asymmetric tiering, ssd_tier.py), with the MAMBA component's own eviction primitive (the walk's
+        tombstone of an internal state, components/mamba.py:334-371). None while something holds a copy
+        (a lock, a transfer in flight); else the number of copies dropped."""
+        from collections import defaultdict
+
+        from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
+
+        data = sg.component_data[ComponentType.MAMBA]
+        if sg.write_through_pending_id is not None or sg.load_back_pending_id is not None:
+            return None
+        layers = []
+        if data.value is not None:
+            if data.lock_ref:
+                return None
+            layers.append(EvictLayer.DEVICE)
+        if data.host_value is not None:
+            if data.host_lock_ref:
+                return None
+            layers.append(EvictLayer.HOST)
+        core = self.tree_core
+        component = core.components_by_type[ComponentType.MAMBA]
+        device_frees, host_frees, actions = defaultdict(list), defaultdict(list), []
+        for layer in layers:
+            core._evict_component_and_detach_lru(sg, component, device_frees=device_frees, host_frees=host_frees,
+                                                 cache_actions=actions, target=layer)
+        if layers:
+            core._update_evictable_leaf_sets(sg)
+            self._free_values(device_frees, host_frees)
+            self._apply_cache_actions(actions)
+        return len(layers)
 
     def check_prefetch_progress(self, request: Any) -> bool:
         if not super().check_prefetch_progress(request):
@@ -217,11 +253,50 @@ class HiStateRadixCache(UnifiedRadixCache):
         if self.histate.ssd_tier is not None:
             metrics.set_checkpoints("storage", self.histate.ssd_tier.backend.num_states)
 
-    # --- adaptive interval control ------------------------------------------------------------------
+    # --- adaptive interval control and in-pass capture (capture.py) -----------------------------------
 
     def plan_checkpoints(self, reused_tokens: int, input_tokens: int,
                          kv_match_tokens: Optional[int] = None) -> list[int]:
         return self.histate.plan_checkpoints(reused_tokens, input_tokens, kv_match_tokens)
+
+    def alloc_capture_slot(self) -> Any:
+        """A mamba slot for one extra checkpoint of a pass, evicting like SGLang's own state allocation
+        (`MambaComponent._alloc_mamba_slot`); None when eviction cannot free one (the capture is dropped)."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        allocator = self.req_to_token_pool.mamba_allocator
+        slot = allocator.alloc(1)
+        if slot is None:
+            self.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+            slot = allocator.alloc(1)
+        return slot
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """SGLang's insert after a pass (`checkpoint_kv_cache`, `release_kv_cache`), preceded by the
+        pass's extra checkpoints, shallowest first: each is inserted exactly like SGLang's own tracked
+        state (`checkpoint_into_tree`: the tree takes the KV up to it, the request's lock and protected
+        prefix move down), with its capture slot as the state."""
+        from .capture import pending
+
+        captures = pending(req)
+        while captures and captures[0].position <= up_to:
+            capture = captures.pop(0)
+            if capture.position <= req.kv.cache_protected_len:  # already in the tree below this request
+                self.req_to_token_pool.mamba_allocator.free(capture.slot)
+                continue
+            self._hs_inserting = capture
+            try:
+                self.checkpoint_into_tree(req, up_to=capture.position)
+            finally:
+                self._hs_inserting = None
+        super().checkpoint(req, up_to=up_to, **kwargs)
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        """The request left: captures it did not insert give their slots back."""
+        from .capture import release_captures
+
+        release_captures(self, req)
+        super().on_release(req, checkpointed=checkpointed)
 
 
 def histate_cache_factory(ctx: Any) -> Any:
@@ -238,9 +313,13 @@ def histate_cache_factory(ctx: Any) -> Any:
     if ctx.is_hybrid_swa:
         raise HiStateConfigError("--enable-histate does not support models with sliding-window layers yet.")
     install_host_policy()
+    from .capture import install_scheduler_hooks
+    from .capture_forward import install_forward_hooks
     from .chunking import install_chunk_planning
 
     install_chunk_planning()
+    install_scheduler_hooks()
+    install_forward_hooks()
     with histate_build_scope(config):
         cache = create_unified_radix_cache(ctx, cache_class=HiStateRadixCache)
     logger.info("HiState tree cache ready: %s", config.describe())

@@ -37,11 +37,29 @@ class HiStateTreeCore(UnifiedTreeCore):
             self.histate.victims.on_change(core_of(node))
 
     def set_component_device_value(self, node_id: Any, component_type: Any, value: Any) -> None:
-        """An auxiliary component's device value materialised (MAMBA is the only one here: load-back)."""
+        """An auxiliary component's device value materialised (MAMBA is the only one here: an insert's
+        commit on an existing node, or a load-back). A historical state loaded back for a request goes
+        back to SSD-only once unused (ssd_tier.py)."""
         super().set_component_device_value(node_id, component_type, value)
         if self.histate is not None:
-            self.histate.victims.on_change(core_of(self.node_by_id(node_id)))
-            self.histate.bytes_in(Tier.GPU, self.histate.core_config.checkpoint_size_bytes)
+            node = core_of(self.node_by_id(node_id))
+            self.histate.victims.on_change(node)
+            if self.histate.ssd_tier is not None:
+                self.histate.ssd_tier.note_state_copy(node)
+
+    def commit_load_back(self, node_id: Any, device_indices: Any, kv_xfer: Any, comp_xfers: Any) -> Any:
+        """KV loaded back from the host: a new stay on the device (T_KV starts again) and bytes into it
+        (Little's law), as the core's `Placement.promote_kv` counts a promotion. A state loaded back is
+        the restore of one checkpoint for the request, which the core does not count as an arrival
+        either: its node copy goes back to SSD-only once the request moved on (ssd_tier.py)."""
+        actions = super().commit_load_back(node_id, device_indices, kv_xfer, comp_xfers)
+        if self.histate is not None:
+            now_s, kv_bytes_per_token = self.histate.now(), self.histate.core_config.kv_bytes_per_token
+            for loaded_id in kv_xfer.nodes_to_load or ():
+                node = self.node_by_id(loaded_id)
+                core_of(node).kv_created_s = now_s
+                self.histate.bytes_in(Tier.GPU, len(node.key) * kv_bytes_per_token)
+        return actions
 
     def attach_host_state(self, node: Any, host_slot: Any) -> None:
         """A state restored from SSD becomes the node's host copy, placed as SGLang's own L3 prefetch
@@ -62,6 +80,8 @@ class HiStateTreeCore(UnifiedTreeCore):
             self.histate.on_node_removed(core_of(node))
 
     def reset(self) -> None:
+        if self.histate is not None and self.histate.ssd_tier is not None:
+            self.histate.ssd_tier.on_tree_reset([core_of(n) for n in self._node_arena.values() if n is not self.root_node])
         super().reset()
         if self.histate is not None:
             self.histate.victims.reset()

@@ -26,14 +26,17 @@ vllm    (`vllm-*`, `marconi`) `Scheduler.schedule` (vllm-project/vllm@00024d3) a
 
 At finish the request's pages up to the end of its output are offered to the cache with the states
 the engine really keeps (the policy's `admit` reads where the forward passes ended and where the
-output ends; docs/policies.md).
+output ends; docs/policies.md). A policy that captures in-pass (`Policy.captures_in_pass`: HiState,
+as the SGLang plugin does) plans its prompt positions when the request is first admitted, and keeps
+every planned position a prefill pass's chunk grid reaches (core/capture.py) plus the decode state of
+its finish plan; the gate counts planned, captured and off-grid interior positions (`GateStats`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Optional
 
-from ..core import HybridPrefixCache, ItemKind, MatchResult, RequestLease, Tier
+from ..core import HybridPrefixCache, ItemKind, MatchResult, RequestLease, Tier, captured_positions
 from .costs import ModelSpec, vllm_hybrid_blocks
 from .engine import EngineConfig, EngineRequest, MemoryGate
 from .request import Request
@@ -66,15 +69,19 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
         return EngineProfile("vllm", replace(base, mixed_batches=True, chunk_rule="vllm", block_num_tokens=block),
                              block, 1, grows=True)
     if name == "sglang":
-        return EngineProfile("sglang", replace(base, mixed_batches=False, chunk_rule="none"), 1,
-                             SGLANG_WORKING_STATES, grows=False)
+        # HiState floors every chunked-prefill cut to the state grid (sglang_plugin/chunking.py); stock
+        # SGLang cuts wherever the budget ends (`mamba_prefill_chunk_grid` is 1 without DCP).
+        rule = "grid" if policy.captures_in_pass else "none"
+        return EngineProfile("sglang", replace(base, mixed_batches=False, chunk_rule=rule,
+                                               block_num_tokens=page_num_tokens),
+                             1, SGLANG_WORKING_STATES, grows=False)
     raise ValueError(f"policy {policy.name!r}: unknown engine {name!r}; known: {', '.join(ENGINES)}")
 
 
 class _Held:
     """One request as the gate sees it."""
 
-    __slots__ = ("request", "lease", "kv_bytes", "state_bytes", "first_match")
+    __slots__ = ("request", "lease", "kv_bytes", "state_bytes", "first_match", "plan_pages")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -82,6 +89,7 @@ class _Held:
         self.kv_bytes = 0            # promised in the GPU KV pool
         self.state_bytes = 0         # promised in the GPU state pool (the same pool unless split)
         self.first_match: Optional[MatchResult] = None
+        self.plan_pages: Optional[list] = None  # prompt positions planned at first admission (in-pass capture)
 
 
 @dataclass(slots=True)
@@ -91,6 +99,9 @@ class GateStats:
     overcommits: int = 0         # grants with no room even on an idle GPU (a request larger than the pool)
     growth_refusals: int = 0     # vLLM: a running request could not get its next blocks
     preemptions: int = 0
+    planned_interior: int = 0    # in-pass capture: planned prompt positions before the deepest one
+    captured_interior: int = 0   # ... of them captured by the pass that computed them
+    off_grid: int = 0            # planned positions no kernel chunk boundary of their pass hit
 
 
 class CacheGate(MemoryGate):
@@ -151,6 +162,8 @@ class CacheGate(MemoryGate):
         held.lease = lease
         if held.first_match is None:
             held.first_match = m
+            if cache.policy.captures_in_pass:  # planned as the first pass is built (sglang_plugin/capture.py)
+                held.plan_pages = cache.plan_checkpoints(lease, request.input_num_tokens // self.page_num_tokens)
         self.stats.admissions += 1
         self.on_cache_change(now_s)
         return EngineRequest(req.request_id, context_num_tokens - reused, context_num_tokens, req.output_num_tokens,
@@ -251,9 +264,29 @@ class CacheGate(MemoryGate):
             return
         prompt_pages = min(prompt_tokens, kv_tokens) // P
         output_end = kv_tokens // P if kv_tokens > prompt_tokens else None
-        positions = cache.plan_checkpoints(lease, prompt_pages, _state_pages(lease, step_end_tokens, P), output_end)
+        if held.plan_pages is not None:
+            positions = self._captured(held, lease, prompt_pages, step_end_tokens, output_end)
+        else:
+            positions = cache.plan_checkpoints(lease, prompt_pages, _state_pages(lease, step_end_tokens, P),
+                                               output_end)
         cache.finish_request(lease, held.request.keys_through(max(prompt_pages, kv_tokens // P)), now_s, positions)
         self.on_cache_change(now_s)
+
+    def _captured(self, held: _Held, lease: RequestLease, prompt_pages: int, step_end_tokens: list,
+                  output_end: Optional[int]) -> list:
+        """In-pass capture: the admission plan's prompt positions that a pass's chunk grid reached, plus
+        the decode state of the finish plan (the positions past the prompt)."""
+        P = self.page_num_tokens
+        plan = [p for p in held.plan_pages if p <= prompt_pages]
+        start = lease.match.num_reused_pages * P
+        captured, off_grid = captured_positions([p * P for p in plan], start, step_end_tokens, P)
+        interior = plan[:-1]
+        stats = self.stats
+        stats.planned_interior += len(interior)
+        stats.captured_interior += len(set(interior) & {c // P for c in captured})
+        stats.off_grid += len(off_grid)
+        decode = [p for p in self.cache.plan_checkpoints(lease, prompt_pages, (), output_end) if p > prompt_pages]
+        return sorted({c // P for c in captured} | set(decode))
 
 
 def _state_pages(lease: RequestLease, step_end_tokens: list, page_num_tokens: int) -> tuple:

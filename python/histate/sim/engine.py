@@ -48,7 +48,9 @@ Model:
   default gate admits everything at once (unbounded memory).
 * Chunk rules (`EngineConfig.chunk_rule`): "vllm" ends every prefill step that is not the last on a
   block boundary and forces a step end at the last block boundary of the prompt (align mode,
-  `Scheduler._mamba_block_aligned_split`); a step too small for one block skips the request. The
+  `Scheduler._mamba_block_aligned_split`); a step too small for one block skips the request. "grid"
+  floors a cut chunk (not the last one) to the block grid unless that empties it (HiState in SGLang:
+  `core.capture.floor_cut`, sglang_plugin/chunking.py), so every pass starts on the state grid. The
   engine reports every request's prefill step ends (`RequestTiming.step_end_tokens`): engines that
   keep one recurrent state per forward pass place their states there.
 """
@@ -61,10 +63,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Optional
 
+from ..core import floor_cut
 from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, PrefillChunk, RooflineStepCost
 
 
-CHUNK_RULES = ("none", "vllm")
+CHUNK_RULES = ("none", "vllm", "grid")
 
 
 @dataclass(frozen=True)
@@ -73,8 +76,8 @@ class EngineConfig:
     mixed_batches: bool = True            # decode tokens and prefill chunks share a step
     max_running_requests: int = 256       # admitted requests (SGLang/vLLM max batch; rarely binding)
     io_unit_bytes: int = 64 * 2**20       # background transfer granularity (non-preemptible)
-    chunk_rule: str = "none"              # "vllm": align-mode step ends (module docstring)
-    block_num_tokens: int = 1             # the "vllm" rule's block
+    chunk_rule: str = "none"              # "vllm": align-mode step ends; "grid": cuts floored (module docstring)
+    block_num_tokens: int = 1             # the "vllm" rule's block; the "grid" rule's grid
     caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
     #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
     #   prompts come from the trace's hash ids), so nothing past the prompt can be reused there
@@ -526,6 +529,8 @@ class Engine:
                 n = n // block * block          # may be 0: the request waits for a bigger budget
             elif active.context < last_cache < active.context + n:
                 n = last_cache - active.context  # force a step end at the last block boundary
+        elif self.config.chunk_rule == "grid" and n < active.remaining:
+            n = floor_cut(active.context, active.context + n, self.config.block_num_tokens) - active.context
         return n
 
     def _run_step(self, start: float, limit: float) -> None:

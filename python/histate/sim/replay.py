@@ -37,7 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, HybridPrefixCache, Tier, make_policy
+from ..core import (DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, HybridPrefixCache, Tier, default_staging_slots,
+                    make_policy)
 from .admission import CacheGate, engine_profile
 from .costs import (HardwareSpec, RooflineStepCost, attention_pair_tokens, get_hardware, get_model,
                     restore_cost_tokens, vllm_hybrid_blocks)
@@ -90,6 +91,17 @@ class ReplayConfig:
     def resolved_hardware(self) -> HardwareSpec:
         return self.hardware_spec if self.hardware_spec is not None else get_hardware(self.hardware)
 
+    def staging_bytes(self, policy=None) -> int:
+        """Host DRAM a policy keeps for state staging instead of cache: HiState's host tier holds KV,
+        and its `default_staging_slots` state slots (sized for `max_live_sessions` running requests,
+        `--histate-host-state-slots`) only stage checkpoints on their way to SSD and back. Never more
+        than the budget (the plugin refuses such a host; tiny test budgets keep no host KV then)."""
+        tiers = getattr(policy, "checkpoint_tiers", None)
+        if tiers is None or Tier.CPU in tiers or Tier.CPU not in policy.tiers:
+            return 0
+        slots = default_staging_slots(self.max_live_sessions)
+        return min(self.cpu_cache_bytes, slots * get_model(self.model).checkpoint_size_bytes)
+
     def cache_config(self, page_num_tokens: int, policy=None) -> CacheConfig:
         """The cache of `policy` (a `histate.core.Policy`): block-granular policies (vLLM) get the
         model's hybrid block as their granularity and a state of whole blocks (costs.vllm_hybrid_blocks)."""
@@ -105,7 +117,7 @@ class ReplayConfig:
             page_num_tokens=page_num_tokens, kv_bytes_per_token=model.kv_bytes_per_token,
             checkpoint_size_bytes=state_bytes, block_pages=block_pages,
             attention_pair_tokens=attention_pair_tokens(model),
-            capacity_bytes={Tier.GPU: self.gpu_cache_bytes, Tier.CPU: self.cpu_cache_bytes,
+            capacity_bytes={Tier.GPU: self.gpu_cache_bytes, Tier.CPU: self.cpu_cache_bytes - self.staging_bytes(policy),
                             Tier.SSD: self.ssd_cache_bytes},
             tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages, restore_cost_tokens=restore)
 

@@ -41,6 +41,7 @@ class Policy:
     name = ""
     tiers: tuple = (Tier.GPU,)
     write_through = False  # True: every new item is copied down all tiers (inclusive, LRU offload)
+    checkpoint_tiers: Optional[tuple] = None  # tiers a checkpoint may occupy (None: `tiers`)
     historical_tier: Optional[Tier] = None  # tier for non-terminal checkpoints at creation
     refresh_all = False  # on a checkpoint hit, refresh every checkpoint above it on the path
     refresh_matched_only = False  # a hit (and an insert) refreshes only the matched node (Marconi)
@@ -56,6 +57,7 @@ class Policy:
     learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
     charges_demotions = False  # eq. 7's C of a demoted unit is its transfer, not its recompute (units.py)
     estimates_residence_by_flow = True  # Little's-law T_KV / T_state before residences are observed
+    captures_in_pass = False  # plan at admission; a pass keeps every planned state on its chunk grid (capture.py)
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)

@@ -8,10 +8,18 @@ histate-paper      the paper's rules exactly: uniform interior prior, C = recomp
 histate-align      admission replaced by vLLM's align rule (terminal state only)
 histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
+histate-exclusive  simulator only: exclusive tiers (KV demoted GPU -> CPU -> SSD on eviction, one copy at a
+                   time), the tiering the SGLang plugin does not have (docs/policies.md "Tiering")
 
-HiState runs on SGLang's scheduler (`--enable-histate`): like `sglang-hicache`, a finished request
-donates the last state decode tracked on the 256-token grid, and the insert stops at the deepest state
-(sglang_hicache.py). Its planned prompt positions are all captured (sglang_plugin/chunking.py).
+`histate` is what the SGLang plugin does (`--enable-histate`), on SGLang's scheduler:
+* capture: the positions are planned when the request is first admitted and every planned position a
+  prefill pass computes is kept, inside that pass (core/capture.py; sglang_plugin/capture.py); chunked-
+  prefill cuts are floored to the state grid; a finished request donates the last state decode tracked
+  on the 64-token grid, and the insert stops at the deepest state (sglang_hicache.py);
+* tiers: SGLang's HiCache write-through for KV (device -> host -> SSD copies, kept inclusive); a
+  checkpoint is written through to the SSD, keeps its device copy while it is a trajectory's terminal
+  state and lives on the SSD alone once it is historical (asymmetric tiering, paper §3.1). Host DRAM
+  holds KV; its state slots only stage transfers, so checkpoints never occupy the CPU tier.
 """
 from __future__ import annotations
 
@@ -26,7 +34,10 @@ from ..units import expected_cost_tokens, last_access_s, reclaim_tokens
 class HiState(Policy):
     name = "histate"
     tiers = (Tier.GPU, Tier.CPU, Tier.SSD)
+    write_through = True  # SGLang HiCache's write-through: KV device -> host -> SSD, checkpoints -> SSD
+    checkpoint_tiers = (Tier.GPU, Tier.SSD)  # the host's state slots stage transfers only
     historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
+    captures_in_pass = True  # every planned position, inside the pass that computes it (core/capture.py)
     refresh_all = True
     kv_ends_at_last_state = True
     learns_reuse_positions = True
@@ -77,3 +88,14 @@ class HiStateLruDisk(HiState):
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         return last_access_s(node, unit, bit)
+
+
+@register_policy
+class HiStateExclusive(HiState):
+    """Exclusive tiers: one copy per item, KV and checkpoints demoted a tier at a time on eviction. What
+    the simulator's `histate` did before the server-parity tiering; SGLang's HiCache cannot run it (its
+    host tier is a write-through copy), so it exists here only to measure what exclusivity would buy."""
+
+    name = "histate-exclusive"
+    write_through = False
+    checkpoint_tiers = None

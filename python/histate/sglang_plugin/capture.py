@@ -1,0 +1,154 @@
+"""Several checkpoints inside one prefill forward pass: the scheduler side.
+
+SGLang 0.5.23 keeps one recurrent state per request per forward pass: `ScheduleBatch.
+_mamba_radix_cache_v2_req_prepare_for_extend` (managers/schedule_batch.py:3137-3240) picks one
+position, the backend copies the kernel's state there into the request's ping-pong track slot, and
+`checkpoint_kv_cache` / `release_kv_cache` insert that slot into the tree after the pass. The chunked
+GDN kernel computes the state at every 64-token chunk boundary of the pass anyway (research §2.4).
+HiState keeps every position it planned (eq. 5 intervals, the branch point, the terminal) that the
+pass computes, with no extra pass and no chunk cut (`histate.core.capture`):
+
+  * the deepest planned position of the pass takes SGLang's own track slot: the hook below points
+    SGLang's one tracked position there (or tracks nothing when the pass holds no planned position);
+  * every other planned position in the pass gets a state slot of its own from the mamba pool
+    (`Capture`), listed on the batch; `capture_forward.py` fills those slots (SSM state and conv
+    window) from the same kernel call, and the cache inserts them in order before SGLang's own insert
+    (`HiStateRadixCache.checkpoint`).
+
+A request's positions are planned once, when its first pass is built (`plan_of`): the request was just
+admitted, so the plan sees the prefix it reuses and the clock of that scheduler step.
+
+Slots: taken after SGLang allocated the batch (`alloc_for_extend` runs first), with the eviction every
+allocation may do; a pass that cannot get one drops that capture (counted), never a pass. A slot is the
+request's until its state is inserted (then the tree owns it) or the request is released without
+inserting it (`release_captures`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from histate.core import split_pass
+
+_SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+_CAPTURES = "_histate_captures"  # ScheduleBatch / ForwardBatch attribute: [(row, relative position, slot)]
+
+
+@dataclass
+class Capture:
+    """A planned checkpoint a pass is capturing for a request, in a slot the request holds."""
+
+    position: int  # tokens from the start of the sequence (the state after them)
+    slot: Any  # 1-D int tensor holding one mamba slot id (what the tree stores as a MAMBA value)
+
+
+def histate_cache(tree_cache: Any) -> Optional[Any]:
+    return tree_cache if getattr(tree_cache, "histate", None) is not None else None
+
+
+def plan_of(req: Any, cache: Any, reused_tokens: int) -> list:
+    """The request's planned checkpoint positions (tokens), made once, when its first pass is built."""
+    plan = getattr(req, "_hs_plan", None)
+    if plan is None:
+        # SGLang's own branch point (the grid position at the KV match end) is HiState's too.
+        branch = getattr(req, "mamba_branching_seqlen", None)
+        plan = cache.plan_checkpoints(reused_tokens, len(req.full_untruncated_fill_ids), branch)
+        req._hs_plan = plan
+    return plan
+
+
+def capture_chunk_tokens(batch: Any) -> int:
+    """Where a pass's states can be taken: the kernel's chunk (the model's `mamba_chunk_size`, 64 for
+    Gated-DeltaNet) and SGLang's own tracking grid (`mamba_cache_chunk_size()`, which a page wider than
+    the chunk widens), both measured from the pass's first token."""
+    from sglang.srt.runtime_context import mamba_cache_chunk_size
+
+    kernel_chunk = getattr(batch.model_config.hf_text_config, "mamba_chunk_size", 64) or 64
+    return math.lcm(int(kernel_chunk), int(mamba_cache_chunk_size()))
+
+
+def pending(req: Any) -> list:
+    """The captures `req` holds that are not in the tree yet, ascending."""
+    captures = getattr(req, "_hs_captures", None)
+    if captures is None:
+        captures = req._hs_captures = []
+    return captures
+
+
+def prepare_for_extend_around(original: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """Start the batch's capture list (filled per request by `track_entry_around`)."""
+    setattr(batch, _CAPTURES, [])
+    return original(batch, *args, **kwargs)
+
+
+def track_entry_around(original: Any, batch: Any, req: Any) -> Any:
+    """SGLang's per-request track choice, pointed at HiState's plan (module docstring)."""
+    cache = histate_cache(batch.tree_cache)
+    captures = getattr(batch, _CAPTURES, None)
+    if cache is None or captures is None or req.skip_radix_cache_insert or batch.is_dllm():
+        return original(batch, req)
+    kv = req.kv
+    saved = (kv.mamba_next_track_idx, kv.mamba_last_track_idx, kv.mamba_last_track_seqlen)
+    entry = original(batch, req)
+    split = split_pass(plan_of(req, cache, req.prefix_len), req.prefix_len, req.extend_end,
+                       capture_chunk_tokens(batch))
+    metrics = cache.histate.metrics
+    metrics.record_captures("off_grid", len(split.off_grid))
+    if split.tracked is None:
+        if entry.track_mask:  # SGLang would have tracked an unplanned position: undo its flip
+            kv.mamba_next_track_idx, kv.mamba_last_track_idx, kv.mamba_last_track_seqlen = saved
+            entry = entry._replace(track_mask=False, track_seqlen=-1)
+        return entry
+    if not entry.track_mask:  # cannot happen: a planned position is at least one grid past the prefix
+        raise RuntimeError(f"HiState: SGLang tracks nothing in a pass of {req.rid} holding planned "
+                           f"position {split.tracked} (prefix {req.prefix_len}, end {req.extend_end})")
+    # SGLang's encoding (schedule_batch.py:3157-3170): the pass end selects the final state, any other
+    # position p is passed as p + 1 so that the backend reads the per-chunk state h at p.
+    kv.mamba_last_track_seqlen = split.tracked
+    entry = entry._replace(track_seqlen=req.extend_end if split.tracked == req.extend_end else split.tracked + 1)
+    metrics.record_captures("tracked", 1)
+    row = batch.reqs.index(req)
+    for position in split.extra:
+        slot = cache.alloc_capture_slot()
+        if slot is None:
+            metrics.record_captures("no_slot", 1)
+            continue
+        pending(req).append(Capture(position, slot))
+        captures.append((row, position - req.prefix_len, slot))
+        metrics.record_captures("extra", 1)
+    return entry
+
+
+def forward_batch_init_after(result: Any, cls: Any, *args: Any, **kwargs: Any) -> Any:
+    """Carry the batch's capture list onto the ForwardBatch the backend sees (`init_new` is a
+    classmethod: the hook sees `cls`, then SGLang's arguments, the ScheduleBatch first)."""
+    batch = kwargs["batch"] if "batch" in kwargs else args[0]
+    setattr(result, _CAPTURES, getattr(batch, _CAPTURES, None) or None)
+    return result
+
+
+def release_captures(cache: Any, req: Any) -> None:
+    """Give back the slots of captures the request never inserted (aborted, barred from the tree)."""
+    for capture in pending(req):
+        cache.req_to_token_pool.mamba_allocator.free(capture.slot)
+    req._hs_captures = []
+
+
+_installed = False
+
+
+def install_scheduler_hooks() -> None:
+    """Register the scheduler-side hooks (once per process; the scheduler's)."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_SCHEDULE_BATCH}.prepare_for_extend", prepare_for_extend_around, HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULE_BATCH}._mamba_radix_cache_v2_req_prepare_for_extend", track_entry_around,
+                          HookType.AROUND)
+    HookRegistry.register(f"{_FORWARD_BATCH}.init_new", forward_batch_init_after, HookType.AFTER)
+    HookRegistry.apply_hooks()
+    _installed = True

@@ -1,0 +1,145 @@
+"""Checkpoints captured inside one prefill forward pass, through SGLang's own scheduler and GDN backend.
+
+Rig (sglang_cpu/gdn_rig.py): SGLang 0.5.23's `PrefillAdder`, `ScheduleBatch.prepare_for_extend`,
+`ForwardBatch.init_new`, `GDNAttnBackend` (metadata, conv and SSM track copies) and tree inserts, with
+HiState's hooks; the three Triton kernels of a GDN extend are torch stand-ins (sglang_cpu/gdn_kernels.py)
+and each GDN layer's inputs come from a cold forward of the tiny reference Qwen3.5. After the passes,
+every position HiState planned must hold, in the tree, exactly the state a cold prefill to that
+position has:
+  * per GDN layer, prefilled from nothing over the same inputs with `histate.reference.gdr` (no SGLang
+    code): bit-identical in float64, within 1e-5 in float32;
+  * the reference model's own cold prefill to that position (its attention layers round differently
+    for a shorter prompt): within 1e-12 in float64, 1e-5 in float32.
+Scenarios: a prompt in one pass, a prompt over several chunked passes, a branch point inside a pass
+(a request that resumes from another's checkpoint), and several requests in one batch.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ._scheduler_round import prefill_round
+from sglang_cpu import gdn_kernels
+from sglang_cpu.gdn_rig import PAGE, GdnRig
+
+TOLERANCE = {"fp64": (0.0, 1e-12), "fp32": (0.0, 1e-5)}  # (layer-level, model-level) max abs difference
+
+
+def _tokens(seed: int, num_tokens: int) -> list:
+    rng = random.Random(seed)
+    return [rng.randrange(512) for _ in range(num_tokens)]
+
+
+@pytest.fixture
+def rig_for(sglang_plugins, monkeypatch):
+    from histate.sglang_plugin.config import resolve_config
+
+    gdn_kernels.install(monkeypatch)
+
+    def build(numerics: str, intervals: str = "128") -> GdnRig:
+        return GdnRig(numerics, resolve_config({"enable": True, "intervals_tokens": intervals}, {}))
+
+    return build
+
+
+def _serve(rig: GdnRig, waiting: list, chunk_tokens=None) -> list:
+    """Admission rounds until every request ran its prompt, as the scheduler runs them: a cut request
+    is inserted at the start of the next round (`stash_chunked_request`), a finished prompt at its end
+    (batch_result_processor.py:393) and then released (`release_kv_cache`). Returns the batches run."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    cache, pending, chunked, batches = rig.cache, list(waiting), None, []
+    while pending or chunked is not None:
+        if chunked is not None:
+            checkpoint_kv_cache(chunked, cache)
+        adder, new_chunked = prefill_round(cache, rig.pools.allocator, PAGE, chunked, pending,
+                                           rem_chunk_tokens=chunk_tokens)
+        batch = list(adder.can_run_list)
+        assert batch, "a round admitted nothing"
+        pending = [r for r in pending if r not in batch]
+        rig.forward(batch)
+        batches.append([(r.rid, r.prefix_len, r.extend_end) for r in batch])
+        for req in batch:
+            if req is new_chunked:
+                continue
+            checkpoint_kv_cache(req, cache)
+            req.finished_reason = FINISH_LENGTH(length=0)
+            release_kv_cache(req, cache, checkpoint=True)
+        chunked = new_chunked
+    cache.sanity_check()
+    return batches
+
+
+def _check_every_planned_state(rig: GdnRig, numerics: str, reqs_tokens: list) -> int:
+    layer_tol, model_tol = TOLERANCE[numerics]
+    checked = 0
+    for req, tokens in reqs_tokens:
+        assert req._hs_captures == []  # every capture slot went into the tree
+        for position in req._hs_plan:
+            got = rig.tree_state(tokens, position)
+            assert got is not None, f"{req.rid}: no state at planned position {position}"
+            for want, tol in ((rig.cold_layer_state(req.rid, position), layer_tol),
+                              (rig.cold_model_state(tokens, position), model_tol)):
+                for name, g, w in zip(("conv", "ssm"), got, want):
+                    diff = (g.to(torch.float64) - w.to(torch.float64)).abs().max().item()
+                    assert diff <= tol, f"{req.rid} @{position} {name}: {diff:.3g} > {tol}"
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_a_prompt_in_one_pass_keeps_every_planned_state(rig_for, numerics):
+    rig = rig_for(numerics)
+    tokens = _tokens(1, 600)
+    req = rig.request("a", tokens)
+    batches = _serve(rig, [req])
+    assert batches == [[("a", 0, 600)]]  # one forward pass
+    assert req._hs_plan == [128, 256, 384, 512, 576]
+    metrics = rig.cache.histate.metrics.totals
+    assert (metrics[("captures_total", "tracked")], metrics[("captures_total", "extra")]) == (1, 4)
+    assert _check_every_planned_state(rig, numerics, [(req, tokens)]) == 5
+
+
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_a_prompt_over_chunked_passes_keeps_every_planned_state(rig_for, numerics):
+    """300-token chunks, cuts floored to the 64-token grid: passes end at 256, 512, 768 and 1000; each
+    captures the planned positions inside it, the later ones from the state its prefix left."""
+    rig = rig_for(numerics)
+    tokens = _tokens(2, 1000)
+    req = rig.request("a", tokens)
+    batches = _serve(rig, [req], chunk_tokens=300)
+    assert [b[0][1:] for b in batches] == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+    assert req._hs_plan == [128, 256, 384, 512, 640, 768, 896, 960]
+    assert _check_every_planned_state(rig, numerics, [(req, tokens)]) == 8
+
+
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_a_branch_point_inside_the_pass_is_captured(rig_for, numerics):
+    """B shares 500 tokens with A, whose deepest state at or before them is at 384: B resumes there
+    (copy-on-write of that state) and its KV match ends in the middle of a grid chunk, so SGLang's
+    branch point is 448, inside B's pass, with HiState's interval positions and its terminal."""
+    rig = rig_for(numerics)
+    tokens_a = _tokens(3, 600)
+    tokens_b = tokens_a[:500] + _tokens(4, 300)
+    a = rig.request("a", tokens_a)
+    _serve(rig, [a])
+    b = rig.request("b", tokens_b)
+    batches = _serve(rig, [b])
+    assert batches == [[("b", 384, 800)]] and b.mamba_branching_seqlen == 448
+    assert 448 in b._hs_plan and b._hs_plan[-1] == 768
+    assert _check_every_planned_state(rig, numerics, [(a, tokens_a), (b, tokens_b)]) == len(a._hs_plan) + len(b._hs_plan)
+
+
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_several_requests_in_one_batch(rig_for, numerics):
+    """Three prompts in one forward pass: rows of different lengths, so each request's per-chunk states
+    start at its own offset of the kernel's `h` (and two of them have an off-64 length)."""
+    rig = rig_for(numerics)
+    items = [(rig.request(rid, tokens), tokens) for rid, tokens in
+             (("x", _tokens(5, 300)), ("y", _tokens(6, 520)), ("z", _tokens(7, 397)))]
+    batches = _serve(rig, [req for req, _ in items], chunk_tokens=4096)
+    assert batches == [[("x", 0, 300), ("y", 0, 520), ("z", 0, 397)]]
+    assert _check_every_planned_state(rig, numerics, items) == sum(len(req._hs_plan) for req, _ in items)

@@ -1,0 +1,209 @@
+"""One HiState: the SGLang plugin and the simulator's `histate` on the same request stream.
+
+Plugin side: the GDN rig (sglang_cpu/gdn_rig.py): SGLang's PrefillAdder, ScheduleBatch, ForwardBatch and
+GDN backend with HiState's hooks, real HiCache host pools and storage threads with HiState's SSD backend
+(sglang_cpu/hicache.py; only the D<->H copy engine is a CPU stand-in), the scheduler's steps around each
+request (the SSD-restore hold, load-back, backup acknowledgements). Simulator side: the replay's own
+`CacheGate` over `HybridPrefixCache("histate")`, with the pass ends the simulator's SGLang engine makes
+(`core.floor_cut` on the same chunk budget) and the same clock. Sizes, intervals, tau and restore costs
+are the plugin's. One request at a time, with room on every tier (no eviction: under pressure the two
+engines cannot reach the same trees, test_fidelity.py says why and checks each eviction decision).
+
+After every request both hold the same thing:
+  * the pass ends (the plugin's PrefillAdder cuts = the simulator engine's rule);
+  * the reused and KV-matched lengths at admission (the plugin's after SGLang's host load-back and
+    HiState's SSD restore);
+  * the checkpoint positions on the request's path, and each one's tiers: the device copy of a terminal
+    checkpoint, SSD for all, and no device copy of a historical one (a state's host copy is a staging
+    slot in the plugin and no cache tier in the simulator, so it is not compared);
+  * the KV tiers of every page on the path: device, host and SSD (write-through, inclusive).
+Outputs are not decoded here (the rig runs prefills), so the simulator caches no output
+(`EngineConfig(caches_outputs=False)`); decode states are covered by test_tree_cache.py.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from histate.core import CPU_BIT, GPU_BIT, SSD_BIT, CacheConfig, HybridPrefixCache, Tier, floor_cut, make_policy
+from histate.sim.admission import CacheGate, engine_profile
+from histate.sim.costs import get_model
+from histate.sim.engine import EngineConfig, EngineRequest
+from histate.sim.workloads import AgentWorkloadConfig, agent_workload
+
+from ._scheduler_round import prefill_round
+from sglang_cpu import gdn_kernels
+from sglang_cpu.gdn_rig import GRID, PAGE, GdnRig
+from sglang_cpu.hicache import drain_backups
+
+CHUNK = 512  # --chunked-prefill-size of both sides
+TRACE = AgentWorkloadConfig(
+    num_sessions=4, num_turns=6, system_prompt_num_tokens=4 * GRID, first_input_num_tokens=(8 * GRID, 20 * GRID),
+    append_num_tokens=(2 * GRID, 9 * GRID), output_num_tokens=(8, 40), truncation_rate=0.2, rewind_edit_rate=0.2,
+    fork_rate=0.1, compaction_rate=0.0, cut_granularity_num_tokens=2 * GRID, page_num_tokens=GRID,
+    max_context_num_tokens=None, seed=5)
+
+
+def _stream():
+    per_session = [s.requests for s in agent_workload(TRACE, name="differential").iter_sessions()]
+    for turn in itertools.zip_longest(*per_session):
+        yield from (r for r in turn if r is not None)
+
+
+class _Tokens:
+    """Page keys -> token ids below the reference model's vocabulary, GRID per page; a request's tail
+    past its last full page gets tokens of its own."""
+
+    def __init__(self):
+        self.pages = {}
+
+    def __call__(self, request) -> list:
+        out = []
+        for key in request.page_keys:
+            if key not in self.pages:
+                rng = random.Random(repr(key))
+                self.pages[key] = [rng.randrange(512) for _ in range(GRID)]
+            out.extend(self.pages[key])
+        rng = random.Random(f"tail{request.uid}")
+        return out + [rng.randrange(512) for _ in range(request.input_num_tokens - len(out))]
+
+
+def _pass_ends(start: int, end: int) -> list:
+    """The simulator's SGLang engine for a lone request: CHUNK tokens a step, cuts floored to the grid."""
+    ends = []
+    while start < end:
+        cut = min(start + CHUNK, end)
+        if cut < end:
+            cut = floor_cut(start, cut, GRID)
+        ends.append(cut)
+        start = cut
+    return ends
+
+
+def _sim(rig: GdnRig):
+    runtime = rig.cache.histate
+    config = runtime.core_config
+    host = rig.cache.host_pool_group.get_pool(_pool_name("KV"))
+    cpu_bytes = host.size * config.kv_bytes_per_token
+    cache = HybridPrefixCache(
+        CacheConfig(page_num_tokens=GRID, kv_bytes_per_token=config.kv_bytes_per_token,
+                    checkpoint_size_bytes=config.checkpoint_size_bytes, tau_s=config.tau_s,
+                    supported_intervals_pages=config.supported_intervals_pages,
+                    restore_cost_tokens=config.restore_cost_tokens,
+                    capacity_bytes={Tier.GPU: config.capacity_bytes[Tier.GPU], Tier.CPU: cpu_bytes,
+                                    Tier.SSD: config.capacity_bytes[Tier.SSD]}),
+        make_policy("histate"))
+    profile = engine_profile(cache.policy, get_model("tiny-qwen3.5"), EngineConfig(caches_outputs=False), GRID)
+    return cache, CacheGate(cache, profile)
+
+
+def _pool_name(name: str):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    return getattr(PoolName, name)
+
+
+def _plugin_serve(rig: GdnRig, req) -> list:
+    """One request through the scheduler's steps: the SSD-restore hold, admission rounds (load-back of
+    host hits), the passes, the prompt-end insert and release; then backups are acknowledged."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    cache = rig.cache
+    req.init_next_round_input(cache)  # enqueue
+    while not cache.check_prefetch_progress(req.cache_request_handle):
+        pass
+    ends, chunked, waiting = [], None, [req]
+    while waiting or chunked is not None:
+        if chunked is not None:
+            checkpoint_kv_cache(chunked, cache)
+        adder, chunked = prefill_round(cache, rig.pools.allocator, PAGE, chunked, waiting, rem_chunk_tokens=CHUNK)
+        assert adder.can_run_list == [req]
+        if waiting:
+            req._hs_admitted = (req.prefix_len, req.mamba_branching_seqlen)
+        waiting = []
+        cache.ready_to_load_host_cache()
+        cache.check_hicache_events()
+        rig.forward([req])
+        ends.append(req.extend_end)
+    checkpoint_kv_cache(req, cache)
+    req.finished_reason = FINISH_LENGTH(length=0)
+    release_kv_cache(req, cache, checkpoint=True)
+    drain_backups(cache)
+    return ends
+
+
+def _plugin_path(rig: GdnRig, tokens: list, num_pages: int) -> list:
+    """Per page of `tokens`: (KV tier bits, checkpoint tier bits at the page's end or None)."""
+    from histate.sglang_plugin.core_nodes import core_of
+
+    out, node, depth = [], rig.cache.tree_core.root_node, 0
+    while len(out) < num_pages:
+        child = next((c for c in node.children.values()
+                      if list(c.key.token_ids[:len(c.key)]) == tokens[depth:depth + len(c.key)]), None)
+        if child is None:
+            break
+        node, depth = child, depth + len(child.key)
+        core = core_of(node)
+        while (len(out) + 1) * GRID <= depth:
+            end = (len(out) + 1) * GRID == depth
+            out.append((core.kv_mask, (core.ckpt_mask & ~CPU_BIT) if end and core.ckpt_mask else None))
+    return out
+
+
+def _sim_path(cache: HybridPrefixCache, keys: tuple) -> list:
+    path, _, _ = cache.tree.walk(list(keys))
+    out = []
+    for node in path:
+        for page in range(node.depth_pages - node.num_pages + 1, node.depth_pages + 1):
+            end = page == node.depth_pages
+            out.append((node.kv_mask, node.ckpt_mask if end and node.ckpt_mask else None))
+    return out
+
+
+def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plugins, monkeypatch, tmp_path):
+    from histate.sglang_plugin.config import resolve_config
+
+    gdn_kernels.install(monkeypatch)
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": "256MiB", "intervals_tokens": "128,256,512,1024"}, {})
+    clock = [0.0]
+    # KV of 1 KiB per token: a checkpoint is ~112 tokens of KV (N_s), so eq. 5 plans interior positions.
+    rig = GdnRig("fp32", config, mamba_slots=400, kv_tokens=1 << 15, hicache_ratio=4.0, clock=lambda: clock[0],
+                 kv_heads=4, kv_head_dim=32)
+    sim, gate = _sim(rig)
+    tokens_of = _Tokens()
+    compared = checkpoints = homed = 0
+    for i, request in enumerate(_stream()):
+        clock[0] = float(i)
+        tokens = tokens_of(request)
+        # simulator
+        gate.register(request)
+        admitted = gate.admit(EngineRequest(request.uid, request.input_num_tokens, request.input_num_tokens, 1),
+                              request.input_num_tokens, clock[0], idle=True)
+        match = gate.first_match(request.uid)
+        sim_ends = _pass_ends(request.input_num_tokens - admitted.num_compute_tokens, request.input_num_tokens)
+        gate.finish(request.uid, sim_ends, clock[0])
+        # plugin
+        req = rig.request(f"r{i}", tokens)
+        plugin_ends = _plugin_serve(rig, req)
+        assert plugin_ends == sim_ends, (i, plugin_ends, sim_ends)
+        reused, branch = req._hs_admitted
+        assert reused == match.num_reused_pages * GRID, (i, reused, match)
+        assert (branch or reused) // GRID == max(match.num_kv_pages, match.num_reused_pages), (i, branch, match)
+        sim_path = _sim_path(sim, request.page_keys)
+        plugin_path = _plugin_path(rig, tokens, len(sim_path))
+        assert plugin_path == sim_path, (i, [(k, a, b) for k, (a, b) in enumerate(zip(plugin_path, sim_path)) if a != b],
+                                         len(plugin_path), len(sim_path))
+        for kv, ckpt in sim_path:
+            assert kv == GPU_BIT | CPU_BIT | SSD_BIT  # write-through: every cached page on every tier
+            checkpoints += ckpt is not None
+            homed += ckpt == SSD_BIT
+        compared += 1
+    # The stream exercises what it compares (counts of this seeded run: 24 requests, 47 planned interior
+    # positions, 160 checkpoints on request paths, 136 of them historical and on SSD alone).
+    assert compared == 24 and homed >= 100 and checkpoints - homed >= 20
+    assert gate.stats.captured_interior == gate.stats.planned_interior >= 30 and gate.stats.off_grid == 0
+    rig.cache.sanity_check()
