@@ -121,6 +121,9 @@ def attach_hicache(cache: Any, pools: Pools, server_args: Any, histate_config: A
     install_host_policy()
     with _cpu_hicache(), histate_build_scope(histate_config):
         cache.init_hicache(server_args, cache_params(pools))
+    if cache.host_pool_group is not None:
+        for entry in cache.host_pool_group.entry_map.values():
+            entry.host_pool.pin_memory = False  # staging pages of the L3 prefetch (no pinned allocator on CPU)
     cache.write_through_threshold = write_through_threshold
     return cache
 
@@ -184,9 +187,10 @@ class TieredDriver(Driver):
 
         self.num_requests += 1
         req = request(f"t{self.num_requests}", tokens)
-        req.init_next_round_input(self.cache)  # enqueue (scheduler._prefetch_kvcache)
+        self.enqueue(req)
         while not self.cache.check_prefetch_progress(req.cache_request_handle):
             time.sleep(0.001)
+            self.cache.check_hicache_events()  # the scheduler's steps go on while the request waits
         req.init_next_round_input(self.cache)  # admission
         if req.host_hit_length > 0 or req.mamba_host_hit_length > 0:
             self.cache.init_load_back(InitLoadBackParams(best_match_node=req.best_match_node,
@@ -198,6 +202,19 @@ class TieredDriver(Driver):
             self.pools.mamba_allocator.free(req.kv.mamba_pool_idx.unsqueeze(0))
             req.kv.mamba_pool_idx = None
         return self.match(tokens).device_prefix_len
+
+    def enqueue(self, req: Any) -> None:
+        """The scheduler's enqueue-time match and, with a storage tier, its L3 prefetch of what follows
+        the host hit (`Scheduler._prefetch_kvcache`, run as is on a stand-in with its three fields)."""
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.scheduler import Scheduler
+
+        if not self.cache.enable_storage:
+            req.init_next_round_input(self.cache)
+            return
+        scheduler = SimpleNamespace(enable_hicache_storage=True, enable_lmcache=False, tree_cache=self.cache)
+        Scheduler._prefetch_kvcache(scheduler, req)
 
     def step(self) -> None:
         """A scheduler step; it waits for SGLang's backup threads, so a replay is deterministic."""

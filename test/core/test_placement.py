@@ -28,16 +28,16 @@ GPU, CPU, SSD = 1 << Tier.GPU, 1 << Tier.CPU, 1 << Tier.SSD
 
 
 def test_histate_sends_historical_checkpoints_to_ssd_and_keeps_the_terminal_on_gpu():
-    """SGLang's HiCache tiers as the plugin runs them: KV written through device -> host -> SSD, a
-    checkpoint written through to the SSD (the host's state slots only stage), kept on the device only
-    while it is a trajectory's terminal state."""
+    """SGLang's HiCache tiers as the plugin runs them: KV written through device -> host (the SSD takes
+    what the host evicts), a checkpoint written through to the SSD (the host's state slots only stage),
+    kept on the device only while it is a trajectory's terminal state."""
     cache = make_cache("histate", tiny_config(gpu_pages=64, cpu_pages=64, ssd_pages=64))
     serve(cache, A[:4], 1.0, [4])
-    assert tiers_of(cache, A[:4]) == (GPU | CPU | SSD, GPU | SSD)  # a terminal: device + its SSD copy
+    assert tiers_of(cache, A[:4]) == (GPU | CPU, GPU | SSD)  # a terminal: device + its SSD copy
     serve(cache, A, 2.0, [6, 10])  # 6 is planned inside the new segment; 4 became historical
     assert tiers_of(cache, A[:4])[1] == SSD
     assert tiers_of(cache, A[:6])[1] == SSD
-    assert tiers_of(cache, A) == (GPU | CPU | SSD, GPU | SSD)
+    assert tiers_of(cache, A) == (GPU | CPU, GPU | SSD)
     result = cache.match(A[:6] + [("x", 0)])
     assert (result.num_reused_pages, result.checkpoint_tier) == (6, Tier.SSD)
     assert result.kv_bytes_by_tier == {Tier.GPU: 6 * KV_PAGE_BYTES}
@@ -49,7 +49,7 @@ def test_histate_sheds_the_device_copies_of_an_evicted_bundle():
     serve(cache, A, 1.0, [10])  # 10 pages KV + 4 pages state on GPU
     serve(cache, B, 2.0, [10])  # needs 14 pages: A's device copies go, its host KV and SSD state stay
     cache.check_invariants()
-    assert tiers_of(cache, A) == (CPU | SSD, SSD)
+    assert tiers_of(cache, A) == (CPU, SSD)  # the host copy of KV stays; the state is on SSD alone
     assert cache.stats.evictions[("bundle", "GPU", "shed")] == 1
     result = cache.match(A)
     assert (result.num_reused_pages, result.checkpoint_tier) == (10, Tier.SSD)
@@ -73,7 +73,25 @@ def test_histate_promotion_copies_reused_kv_back_to_gpu():
     serve(cache, B, 2.0, [10])  # A's device copy shed
     lease = cache.begin_request(A + [("a", 10)], 3.0)
     assert lease.match.kv_bytes_by_tier == {Tier.CPU: 10 * KV_PAGE_BYTES}
-    assert tiers_of(cache, A)[0] == GPU | CPU | SSD  # inclusive tiers: copied, the host copy stays
+    assert tiers_of(cache, A)[0] == GPU | CPU  # inclusive tiers: copied, the host copy stays
+    cache.abort_request(lease)
+    cache.check_invariants()
+
+
+def test_histate_kv_reaches_the_ssd_when_the_host_evicts_it_and_comes_back_through_the_host():
+    """The SSD is the host's victim tier for KV (docs/policies.md "Tiering"): nothing of A's KV is on
+    SSD while the host holds it; once the host evicts it, it moves there, and a hit brings it back to
+    the device through the host (SGLang's L3 prefetch inserts host nodes)."""
+    cache = make_cache("histate", tiny_config(gpu_pages=16, cpu_pages=12, ssd_pages=64))
+    serve(cache, A, 1.0, [10])
+    assert tiers_of(cache, A)[0] == GPU | CPU
+    serve(cache, B, 2.0, [10])  # A's device copy is shed; the host keeps 12 pages: A's KV leaves it
+    cache.check_invariants()
+    assert tiers_of(cache, A)[0] == SSD
+    assert cache.stats.evictions[("bundle", "CPU", "demote")] == 1
+    lease = cache.begin_request(A + [("a", 10)], 3.0)
+    assert lease.match.kv_bytes_by_tier == {Tier.SSD: 10 * KV_PAGE_BYTES}
+    assert tiers_of(cache, A)[0] & (GPU | CPU) == GPU | CPU
     cache.abort_request(lease)
     cache.check_invariants()
 

@@ -99,8 +99,10 @@ def test_histate_workload_covers_every_hit_type_through_every_tier(numerics, pol
     ops = {(a, k, src, dst) for (a, k, src, dst) in executor.op_counts}
     assert ("put", "checkpoint", None, Tier.SSD) in ops
     if policy == "histate":
-        assert {("copy", "kv", Tier.GPU, Tier.CPU), ("copy", "kv", Tier.GPU, Tier.SSD),
+        # KV written through to the host only; the SSD takes what the host evicts (its victim tier)
+        assert {("copy", "kv", Tier.GPU, Tier.CPU), ("move", "kv", Tier.CPU, Tier.SSD),
                 ("copy", "checkpoint", Tier.GPU, Tier.SSD), ("drop", "checkpoint", Tier.GPU, None)} <= ops
+        assert ("copy", "kv", Tier.GPU, Tier.SSD) not in ops
         assert ("copy", "kv", Tier.CPU, Tier.GPU) in ops or ("copy", "kv", Tier.SSD, Tier.GPU) in ops
     else:
         assert ("move", "kv", Tier.CPU, Tier.SSD) in ops and ("move", "kv", Tier.SSD, Tier.GPU) in ops

@@ -143,3 +143,21 @@ def test_several_requests_in_one_batch(rig_for, numerics):
     batches = _serve(rig, [req for req, _ in items], chunk_tokens=4096)
     assert batches == [[("x", 0, 300), ("y", 0, 520), ("z", 0, 397)]]
     assert _check_every_planned_state(rig, numerics, items) == sum(len(req._hs_plan) for req, _ in items)
+
+
+def test_a_prefill_kernel_without_per_chunk_states_is_refused_at_model_load(rig_for):
+    """SGLang's CuTe DSL prefill (SM10x) returns no `h`: HiState must refuse it when the backend is built,
+    never reach a pass whose capture slots it cannot fill."""
+    import types
+
+    from histate.sglang_plugin.capture_forward import check_extend_kernel
+
+    rig = rig_for("fp32")  # the backend was built through the hook: SGLang's Triton GDN kernel passes
+    assert type(rig.backend.kernel_dispatcher.extend_kernel).__name__ == "TritonGDNKernel"
+
+    class CuteDSLGDNKernel:  # the name SGLang's class has; what matters is that it is not a capturing one
+        pass
+
+    backend = types.SimpleNamespace(kernel_dispatcher=types.SimpleNamespace(extend_kernel=CuteDSLGDNKernel()))
+    with pytest.raises(RuntimeError, match="--linear-attn-prefill-backend triton"):
+        check_extend_kernel(None, backend)

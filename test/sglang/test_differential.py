@@ -198,7 +198,8 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
         assert plugin_path == sim_path, (i, [(k, a, b) for k, (a, b) in enumerate(zip(plugin_path, sim_path)) if a != b],
                                          len(plugin_path), len(sim_path))
         for kv, ckpt in sim_path:
-            assert kv == GPU_BIT | CPU_BIT | SSD_BIT  # write-through: every cached page on every tier
+            # write-through to the host; the SSD takes KV only when the host runs short (not here)
+            assert kv == GPU_BIT | CPU_BIT
             checkpoints += ckpt is not None
             homed += ckpt == SSD_BIT
         compared += 1

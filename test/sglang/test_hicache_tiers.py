@@ -213,9 +213,11 @@ def test_ssd_only_checkpoint_is_restored_off_the_scheduler_thread(sglang_plugins
     pools = build_pools(1024, 8)
     cache, tokens, node, expected = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
     state, config = cache.histate.state, cache.histate.core_config
-    written = 16 * PAGE * config.kv_bytes_per_token + 3 * config.checkpoint_size_bytes  # the prompt, 3 states
+    gpu_in = 16 * PAGE * config.kv_bytes_per_token + 3 * config.checkpoint_size_bytes  # the prompt, 3 states
     assert state.state_home_tier is Tier.SSD  # Little's law: inflows to the device and to SSD, home of states
-    assert state.controller.kv_flow.bytes_in == state.controller.state_flow.bytes_in == written
+    # The SSD takes the states only: its KV is the host's victims, and the host did not run short.
+    assert state.controller.kv_flow.bytes_in == gpu_in
+    assert state.controller.state_flow.bytes_in == 3 * config.checkpoint_size_bytes
     backend = cache.histate.ssd_tier.backend
     readers = []
     read_state = backend.read_state
@@ -343,7 +345,9 @@ def test_metrics_are_exported_with_sglang_labels(sglang_plugins):
 
 # --- restarts and flushes: the SSD tier keeps its budget, a pending restore survives a flush -------
 
-def _small_ssd_cache(tmp_path, pools, monkeypatch, size="1MiB"):
+def _small_ssd_cache(tmp_path, pools, monkeypatch, size="1MiB", hicache_ratio=1.5):
+    """A 1 MiB SSD below small device and host pools (`_fill`): both run short, so the host's
+    lowest-ranked KV is demoted to the SSD (its victim tier) and the SSD fills."""
     import histate.sglang_plugin.config as plugin_config
     import histate.sglang_plugin.storage_backend as plugin_storage
 
@@ -352,47 +356,56 @@ def _small_ssd_cache(tmp_path, pools, monkeypatch, size="1MiB"):
     config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
                              "ssd_size_bytes": size}, {})
     return build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
-                         clock=ManualClock(1.0))
+                         clock=ManualClock(1.0), hicache_ratio=hicache_ratio)
 
 
-def _fill(cache, pools, first_token, num_prompts):
+def _fill(cache, pools, first_token, num_prompts, until_used_share=None):
+    """Serve distinct prompts (`num_prompts`, or until the SSD holds `until_used_share` of its budget);
+    returns how many were served."""
     driver = Driver(cache, pools)
+    store = cache.histate.ssd_tier.backend.store
     for i in range(num_prompts):
+        if until_used_share is not None and store.used_bytes > until_used_share * store.config.capacity_bytes:
+            return i
         start = first_token + 10_000 * i
         driver.serve(list(range(start, start + 16 * PAGE)), [8 * PAGE, 16 * PAGE])
         drain_backups(cache)
+    return num_prompts
 
 
 def test_objects_from_before_a_restart_are_reclaimable(sglang_plugins, tmp_path, monkeypatch):
     """A restarted server finds the store's old objects; no node knows them, so they are orphans the
     trim reclaims first. Before the fix they were never tracked: the budget stayed full and every new
     write failed with NO_CAPACITY."""
-    pools = build_pools(4096, 32)
+    pools = build_pools(1024, 32)
     first = _small_ssd_cache(tmp_path, pools, monkeypatch)
-    _fill(first, pools, 100_000, 11)
+    served = _fill(first, pools, 100_000, 100, until_used_share=0.8)
     store = first.histate.ssd_tier.backend.store
     written = store.stats_snapshot()["num_objects"]
     assert written > 0 and store.used_bytes > 0.8 * store.config.capacity_bytes  # nearly full
     first.histate.ssd_tier.backend.close()
 
-    pools = build_pools(4096, 32)
+    pools = build_pools(1024, 32)
     second = _small_ssd_cache(tmp_path, pools, monkeypatch)
     tier = second.histate.ssd_tier
     assert len(tier.orphans) == written  # found at attach
-    _fill(second, pools, 900_000, 11)  # as much again: only room the orphans give back can take it
+    _fill(second, pools, 900_000, served)  # as much again: only room the orphans give back can take it
     stats = tier.backend.store.stats_snapshot()
     assert stats["put_failures"] == {} and stats["evictions"] > 0
     second.sanity_check()
 
 
 def test_a_flush_turns_every_ssd_object_into_an_orphan(sglang_plugins, tmp_path, monkeypatch):
-    pools = build_pools(4096, 32)
+    pools = build_pools(1024, 32)
     cache = _small_ssd_cache(tmp_path, pools, monkeypatch)
-    _fill(cache, pools, 100_000, 2)
+    _fill(cache, pools, 100_000, 10)
     store_keys = set(cache.histate.ssd_tier.backend.store.keys())
-    assert store_keys and not cache.histate.ssd_tier.orphans
-    cache.reset()  # SGLang's flush_cache
-    assert set(cache.histate.ssd_tier.orphans) == store_keys
+    orphaned = cache.histate.ssd_tier.orphans.keys()  # KV the host evicted after demoting it
+    assert orphaned and store_keys - orphaned  # live nodes' objects too
+    cache.reset()  # SGLang's flush_cache (scheduler.py:5523-5526), with the pools it clears
+    pools.req_to_token_pool.clear()
+    pools.allocator.clear()
+    assert cache.histate.ssd_tier.orphans.keys() == store_keys
     _fill(cache, pools, 700_000, 1)  # the cache keeps working on the same store
     cache.sanity_check()
 
@@ -423,3 +436,126 @@ def test_a_flush_while_a_request_waits_for_its_restore(sglang_plugins, tmp_path)
     Driver(cache, pools).serve(list(range(7000, 7000 + 8 * PAGE)), [8 * PAGE])
     drain_backups(cache)
     cache.sanity_check()
+
+
+def _kv_keys(store):
+    return {k for k in store.keys() if k.startswith("kv/")}
+
+
+def _path_hashes(cache, tokens):
+    """SGLang's page hashes along `tokens`' path in the tree (its storage keys)."""
+    node, pos, hashes = cache.tree_core.root_node, 0, []
+    while pos < len(tokens):
+        child = next((c for c in node.children.values()
+                      if list(c.key.token_ids[:len(c.key)]) == tokens[pos:pos + len(c.key)]), None)
+        if child is None:
+            break
+        hashes += list(child.hash_value)
+        node, pos = child, pos + len(child.key)
+    return hashes
+
+
+def _check_ssd_ledger(cache):
+    """Every node marked SSD-backed has each KV page in the store, and every stored KV page belongs to
+    such a node or is an orphan (nothing on SSD escapes the trim, nothing marked is missing)."""
+    tier = cache.histate.ssd_tier
+    backend, store = tier.backend, tier.backend.store
+    marked = set()
+    for sg in cache.tree_core._node_arena.values():
+        if sg.parent is not None and core_of(sg).ssd_kv:
+            keys = {backend.store_key("kv", h) for h in sg.hash_value}
+            assert keys <= set(store.keys()), f"node {sg.id} is marked SSD-backed, its pages are not stored"
+            marked |= keys
+    assert _kv_keys(store) <= marked | tier.orphans.keys()
+
+
+def test_the_ssd_takes_the_kv_the_host_evicts_and_serves_it_back(sglang_plugins, tmp_path, monkeypatch):
+    """The SSD is the host's victim tier for KV (docs/policies.md "Tiering"): SGLang's write-through
+    stores a prompt's state but not its KV; once the host runs short its lowest-ranked KV is written
+    ahead of eviction, so what the host evicts is still on SSD (as orphans), and SGLang's own L3 prefetch
+    brings the whole prompt back, its pages then SSD-backed again. An inclusive write-through (every
+    page stored at once) or a host eviction without the write ahead fails this."""
+    from sglang_cpu.hicache import TieredDriver
+
+    pools = build_pools(1024, 32)
+    cache = _small_ssd_cache(tmp_path, pools, monkeypatch, size="16MiB")
+    tier, store = cache.histate.ssd_tier, cache.histate.ssd_tier.backend.store
+    driver = TieredDriver(cache, pools)
+    first = list(range(50_000, 50_000 + 16 * PAGE))
+    driver.serve(first, [8 * PAGE, 16 * PAGE])
+    assert not _kv_keys(store) and len(store.keys()) == 2  # the two states only
+    first_keys = {tier.backend.store_key("kv", h) for h in _path_hashes(cache, first)}
+    assert len(first_keys) == 16
+    others = 0
+    while _path_hashes(cache, first):  # until SGLang deleted the prompt's nodes
+        others += 1
+        assert others < 40, "the first prompt never left the host"
+        start = 100_000 + 10_000 * others
+        driver.serve(list(range(start, start + 16 * PAGE)), [8 * PAGE, 16 * PAGE])
+        _check_ssd_ledger(cache)
+    assert tier.demoting == {} and tier.admitted == frozenset()  # every write ahead acknowledged
+    assert first_keys <= _kv_keys(store) and first_keys <= tier.orphans.keys()
+    demoted_tokens = cache.histate.metrics.totals["kv_demoted_tokens_total"]
+    assert demoted_tokens == PAGE * len(_kv_keys(store))  # each write ahead counted once, in tokens
+    assert len(_kv_keys(store)) < 16 * (others + 1)  # not every page of every prompt: only the host's victims
+
+    reused = driver.admit(first + [7] * PAGE)  # SGLang's L3 prefetch, then an ordinary host hit
+    driver.cache.unlock(driver.admission_lock)
+    driver.admission_lock = None
+    assert reused == 16 * PAGE
+    assert not first_keys & tier.orphans.keys()  # claimed by the nodes the prefetch inserted
+    _check_ssd_ledger(cache)
+    cache.sanity_check()
+
+
+def test_the_trim_takes_orphans_and_live_units_lowest_score_first(sglang_plugins, tmp_path, monkeypatch):
+    """Orphans keep the eq. 7 score their node had; the trim deletes, among them and the live SSD
+    units, the lowest first: everything it took ranks at or below everything it left."""
+    from histate.sglang_plugin import eviction
+
+    pools = build_pools(1024, 32)
+    cache = _small_ssd_cache(tmp_path, pools, monkeypatch, size="16MiB")
+    clock = cache.histate.clock  # the ManualClock `_small_ssd_cache` gave it
+    driver = Driver(cache, pools)
+    for i in range(14):  # distinct prompts at distinct times: scores differ by recency too
+        clock.now = 1.0 + i
+        start = 100_000 + 10_000 * i
+        driver.serve(list(range(start, start + 16 * PAGE)), [8 * PAGE, 16 * PAGE])
+        drain_backups(cache)
+    tier, state = cache.histate.ssd_tier, cache.histate.state
+
+    def live_scores():
+        return [state.score(core_of(sg), unit, SSD_BIT) for sg in cache.tree_core._node_arena.values()
+                for unit in eviction.tier_units(core_of(sg), cache.tree_core, Tier.SSD)]
+
+    assert len(tier.orphans) > 0 and live_scores()
+    taken, pop_lowest, on_evicted = [], tier.orphans.pop_lowest, cache.histate.on_evicted
+
+    def recording_pop():
+        taken.append(("orphan", tier.orphans.lowest_score()))
+        return pop_lowest()
+
+    def recording_evicted(node, unit, t, now_s):
+        taken.append(("live", state.score(node, unit, SSD_BIT)))
+        return on_evicted(node, unit, t, now_s)
+
+    monkeypatch.setattr(tier.orphans, "pop_lowest", recording_pop)
+    monkeypatch.setattr(cache.histate, "on_evicted", recording_evicted)
+    import histate.sglang_plugin.ssd_tier as ssd_tier
+
+    # The trim counts nominal sizes (KV bytes per token, checkpoint bytes), which every rank computes alike.
+    config = cache.histate.core_config
+    tier.orphans.refresh_snapshot()
+    nominal = sum(size for _, size in tier.orphans.snapshot) + sum(
+        core_of(sg).ssd_kv * len(sg.key) * config.kv_bytes_per_token + core_of(sg).ssd_state * tier.checkpoint_bytes
+        for sg in cache.tree_core._node_arena.values() if sg.parent is not None)
+    capacity = tier.backend.store.config.capacity_bytes
+    monkeypatch.setattr(ssd_tier, "HIGH_WATERMARK", 0.0)
+    monkeypatch.setattr(ssd_tier, "LOW_WATERMARK", nominal / 2 / capacity)  # free half of it
+    tier.adopt_agreed_usage(nominal)
+    freed = tier.trim()
+    assert nominal / 2 <= freed < nominal and taken
+    remaining = live_scores() + ([tier.orphans.lowest_score()] if len(tier.orphans) else [])
+    assert max(score for _, score in taken) <= min(remaining) + 1e-9
+    assert {kind for kind, _ in taken} == {"orphan", "live"}  # both kinds compete in this run
+    _check_ssd_ledger(cache)

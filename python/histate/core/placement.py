@@ -3,9 +3,10 @@
 KV prefers GPU, then CPU, then SSD (demotion instead of deletion where a lower tier has room);
 non-terminal checkpoints go to the policy's historical tier (SSD for HiState); a terminal checkpoint
 that becomes intermediate is retired there; reused KV comes back to the GPU. Inclusive (write-through)
-policies copy every new item down all tiers instead of moving it; a checkpoint only into the tiers
-its policy keeps checkpoints in (`Policy.checkpoint_tiers`: HiState's host tier holds KV, its state
-slots there only stage transfers). Under write-through a retired checkpoint whose home tier already
+policies copy every new item down the tiers they write through (`Policy.kv_write_through_tiers`:
+HiState's KV goes to the host only, the SSD takes what the host evicts) instead of moving it; a
+checkpoint only into the tiers its policy keeps checkpoints in (`Policy.checkpoint_tiers`: HiState's
+host tier holds KV, its state slots there only stage transfers). Under write-through a retired checkpoint whose home tier already
 holds a copy leaves the faster tiers (HiState in SGLang: device and host copies go once the SSD copy
 is acknowledged). The decisions use the evictor to make room and the item book to move copies; they
 never score anything themselves.
@@ -44,6 +45,13 @@ class TierPlan:
         """The tiers below `tier` that can hold `kind`, fastest first."""
         return self._lower[kind][tier]
 
+    def write_through_tiers(self, kind: ItemKind) -> list:
+        """The tiers a write-through policy copies a new `kind` item into (`Policy.kv_write_through_tiers`:
+        HiState writes KV through to the host only; the SSD takes KV the host evicts)."""
+        lower = self.lower_tiers(Tier.GPU, kind)
+        wanted = self.policy.kv_write_through_tiers
+        return lower if kind is not ItemKind.KV or wanted is None else [t for t in lower if t in wanted]
+
     def demotion(self, kind: ItemKind) -> dict:
         """tier -> the tier a `kind` copy evicted from it moves to (None: it is dropped)."""
         return {t: (self._lower[kind][t][0] if self._lower[kind][t] else None) for t in self.policy.tiers}
@@ -74,7 +82,7 @@ class Placement:
         book = self.book
         size = book.size(node, kind)
         book.pin(node)
-        for tier in self.plan.lower_tiers(Tier.GPU, kind):
+        for tier in self.plan.write_through_tiers(kind):
             if not book.mask(node, kind) & (1 << tier) and self.evictor.make_room(book.pool(tier, kind), size, now_s):
                 book.put(node, kind, tier, "copy", Tier.GPU)
         book.unpin(node)
@@ -89,6 +97,9 @@ class Placement:
         src = min(tiers_in(node.kv_mask))
         if self.write_through:
             book.put(node, ItemKind.KV, Tier.GPU, "copy", src)
+            if self.plan.policy.kv_write_through_tiers is not None:
+                # SGLang brings an SSD hit back through the host (its L3 prefetch inserts host nodes)
+                self.copy_down(node, ItemKind.KV, now_s)
         else:
             book.move(node, ItemKind.KV, src, Tier.GPU)
         node.kv_created_s = now_s  # a new stay on the GPU starts (T_KV)

@@ -84,6 +84,21 @@ class VictimHeap:
             heapq.heappush(entries, entry)
         return chosen
 
+    def peek_lowest(self, rank: Rank, accept: Optional[Accept], enough: Callable[[object, UnitKind], bool]) -> list:
+        """(node, unit) of the lowest-ranked units in rank order, up to the first one `enough` accepts;
+        all stay on the heap, at their current score (a look ahead of the next evictions)."""
+        seen = []
+        while True:
+            victim = self.pop_lowest(rank, accept)
+            if victim is None:
+                break
+            seen.append(victim)
+            if enough(victim[0], victim[1]):
+                break
+        for node, unit, tier_index, score in seen:
+            self.push(node, unit, tier_index, score)
+        return [(node, unit) for node, unit, _, _ in seen]
+
     def live_units(self) -> set:
         """(id(node), unit, tier index) of every entry that is not stale (for invariant checks)."""
         return {(id(e[2]), e[3], e[4]) for e in self.entries if e[2].is_alive and e[2].version == e[5]}

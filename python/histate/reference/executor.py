@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from histate_kernels import pack_slot
@@ -207,22 +207,39 @@ class ReferenceExecutor:
         """Replay the core's ops. A copy or move whose SSD source is gone is skipped and the rest still
         applied (the core already counts them), then the loss is raised for `serve` to report."""
         pending_gpu_puts: list[PageKey] = []
-        lost = None
+        lost, also_in = None, []
         for op in ops:
             self.op_counts[(op.action, op.kind.value, op.src, op.dst)] += 1
             if op.action == "put" and op.kind is ItemKind.CHECKPOINT and op.dst is Tier.GPU:
                 pending_gpu_puts.append(op.page_keys[0])  # batched into one gather below
                 continue
             self._flush_gpu_puts(pending_gpu_puts, staged)
+            if op.action in ("move", "copy") and any((op.src, key) in self._unwritten for key in op.page_keys):
+                # a copy onward from a copy that already failed (an SSD hit brought back through the
+                # host): its destination stays empty too, and is reported with the loss
+                op = self._skip_unwritten(op)
+                also_in.append(op.dst)
+                if not op.page_keys:
+                    continue
             try:
                 self._apply_one(op, staged)
             except ObjectLost as err:
-                err.also_in = (op.dst,)
+                also_in.append(op.dst)
                 self._unwritten.update((op.dst, key) for key in op.page_keys)
                 lost = lost or err
         self._flush_gpu_puts(pending_gpu_puts, staged)
         if lost is not None:
+            lost.also_in = tuple(dict.fromkeys(also_in))
             raise lost
+
+    def _skip_unwritten(self, op: TierOp) -> TierOp:
+        """`op` without the pages whose source a failed copy left empty; those stay empty at `op.dst`."""
+        skipped = [key for key in op.page_keys if (op.src, key) in self._unwritten]
+        for key in skipped:
+            self._unwritten.add((op.dst, key))
+            if op.action == "move":
+                self._unwritten.discard((op.src, key))
+        return replace(op, page_keys=tuple(k for k in op.page_keys if k not in set(skipped)))
 
     def _flush_gpu_puts(self, keys: list[PageKey], staged: _Staged) -> None:
         if keys:

@@ -97,6 +97,21 @@ def ensure_checkpoint_plan(metadata: Any, extend_lens: Sequence[int], chunk: int
     metadata.state_checkpoint_every_n_tokens = chunk
 
 
+CAPTURING_KERNELS = ("TritonGDNKernel", "FlashInferGDNKernel")  # extend kernels that return per-chunk states
+
+
+def check_extend_kernel(result: Any, backend: Any, *args: Any, **kwargs: Any) -> Any:
+    """AFTER `GDNAttnBackend.__init__`: refuse, at model load, an extend kernel that returns no per-chunk
+    states (SGLang's CuTe DSL prefill on SM10x returns h = None, gdn_cutedsl.py): HiState could not fill
+    its capture slots, and a pass must never insert a state it did not compute."""
+    kernel = type(backend.kernel_dispatcher.extend_kernel).__name__
+    if kernel not in CAPTURING_KERNELS:
+        raise RuntimeError(f"--enable-histate: the GDN prefill kernel {kernel} returns no per-chunk states, which "
+                           f"HiState's in-pass checkpoint capture reads; use --linear-attn-prefill-backend triton "
+                           f"or flashinfer")
+    return result
+
+
 def init_forward_metadata_after(result: Any, backend: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -156,6 +171,7 @@ def install_forward_hooks() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(f"{_GDN}.__init__", check_extend_kernel, HookType.AFTER)
     HookRegistry.register(f"{_GDN}.init_forward_metadata", init_forward_metadata_after, HookType.AFTER)
     HookRegistry.register(f"{_GDN}._convolve_prefill", convolve_prefill_around, HookType.AROUND)
     HookRegistry.register(f"{_MAMBA_BASE}._track_mamba_state_extend", track_extend_around, HookType.AROUND)

@@ -157,6 +157,12 @@ class TierVictims:
         node.offered = ()  # the unit leaves: SGLang's next leaf-set update re-offers what remains
         return node, unit
 
+    def peek(self, tier: Tier, accept: Callable[[CoreNode, UnitKind], bool],
+             enough: Callable[[CoreNode, UnitKind], bool]) -> list:
+        """The (node, unit)s the next walks of `tier` would take, lowest first, up to the first one
+        `enough` accepts; nothing leaves the heap."""
+        return self.heaps[tier].peek_lowest(self._rank, lambda n, u, t: accept(n, u), enough)
+
     # --- invariants (tests) ----------------------------------------------------------------------
 
     def check_offered(self) -> None:

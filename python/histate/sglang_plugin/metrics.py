@@ -17,6 +17,7 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_captures_total{result}         planned checkpoints of prefill passes: tracked | extra |
                                                 off_grid | no_slot (the last two dropped)
   sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
+  sglang:histate_kv_demoted_tokens_total        host KV written to SSD ahead of its eviction (victim tier)
   sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
 
 Every value is also kept as a plain integer in `totals` (tests and benchmarks read these), so
@@ -32,7 +33,6 @@ from histate.core import SGLANG_TIER_NAMES
 
 TIERS = tuple(SGLANG_TIER_NAMES.values())
 UNITS = ("checkpoint", "bundle")
-CUT_KINDS = ("floor", "split")
 
 _shared: dict[tuple, "HiStateMetrics"] = {}
 _shared_lock = threading.Lock()
@@ -79,6 +79,8 @@ class HiStateMetrics:
                 "'extra' (a slot of their own, same pass), 'off_grid' / 'no_slot' (dropped).", ("result",))
         counter("checkpoints_homed_total", "Device or host copies of historical checkpoints dropped once "
                 "their SSD copy was acknowledged (asymmetric tiering).")
+        counter("kv_demoted_tokens_total", "Host KV tokens written to the SSD ahead of their eviction (the SSD "
+                "is the host's victim tier for KV).")
         counter("ssd_restores_total", "Checkpoints restored from the SSD tier to a host slot; 'miss' when "
                 "any rank could not read its copy (the request then runs without it).", ("result",))
         self._prom["checkpoints"] = gauge_cls(
@@ -117,6 +119,9 @@ class HiStateMetrics:
     def record_captures(self, result: str, count: int) -> None:
         if count:
             self._inc("captures_total", count, result=result)
+
+    def record_demoted(self, num_tokens: int) -> None:
+        self._inc("kv_demoted_tokens_total", num_tokens)
 
     def record_homed(self, count: int) -> None:
         self._inc("checkpoints_homed_total", count)

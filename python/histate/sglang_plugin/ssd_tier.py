@@ -42,19 +42,21 @@ failed is a miss on every rank, and the SSD bit goes.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from histate.core import SSD_BIT, Tier, UnitKind
 
-from .core_nodes import MAMBA, CoreNode, core_of
+from .core_nodes import FULL, MAMBA, CoreNode, core_of
+from .eviction import is_bundle
+from .orphans import UNKNOWN_SCORE, OrphanObjects
 
 logger = logging.getLogger(__name__)
 
 HIGH_WATERMARK = 0.95  # agreed SSD usage (share of the per-rank budget) that starts a trim
 LOW_WATERMARK = 0.90  # ... and where it stops
+DEMOTE_MARGIN = 0.10  # share of the host KV pool, lowest-ranked first, kept SSD-backed once the host is this full
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Backup:
     node: CoreNode
     page_hashes: tuple
     with_state: bool
+    with_kv: bool  # a demotion (`demote`): the KV pages go to SSD too; else only the state does
 
 
 @dataclass
@@ -72,6 +75,17 @@ class _Restore:
     read: Future
 
 
+def _host_chain(leaf: CoreNode) -> list:
+    """`leaf` and the ancestors SGLang's host walk can delete right after it, in the same walk: each
+    holds KV on the host only and has no other child, so it becomes a host leaf once the one below goes."""
+    chain, sg = [leaf], leaf.sg.parent
+    while (sg is not None and sg.parent is not None and len(sg.children) == 1
+           and sg.component_data[FULL].value is None and sg.component_data[FULL].host_value is not None):
+        chain.append(core_of(sg))
+        sg = sg.parent
+    return chain
+
+
 class SsdTier:
     def __init__(self, cache: Any, backend: Any):
         self.cache = cache
@@ -80,8 +94,10 @@ class SsdTier:
         config = self.runtime.core_config
         self.kv_bytes_per_token = config.kv_bytes_per_token
         self.checkpoint_bytes = config.checkpoint_size_bytes
-        self.orphans: OrderedDict = OrderedDict()  # store key -> nominal bytes, oldest first
-        self._orphan_keys: tuple = ()  # snapshot for pick_ssd_victims (another thread)
+        self.orphans = OrphanObjects()
+        self._orphans_changed = False  # the snapshot pick_ssd_victims reads is refreshed once per step
+        self.admitted: frozenset = frozenset()  # page hashes whose KV the backend writes (`demote`)
+        self.demoting: dict = {}  # id -> CoreNode whose KV backup to SSD is in flight
         self.backups: dict = {}  # SGLang storage-backup operation id -> _Backup
         self.candidates: dict = {}  # request handle -> CoreNode of its deepest SSD-only checkpoint
         self.restores: dict = {}  # request handle -> _Restore
@@ -91,9 +107,10 @@ class SsdTier:
         self.homing: dict = {}  # id -> CoreNode whose faster state copies may go once it is historical
         store = backend.store
         for key in store.keys():  # written before this process (a restart): no node knows them
-            self.orphans[key] = store.payload_bytes(key) or 0
-        self._orphan_keys = tuple(self.orphans)
+            self.orphans.add((key,), store.payload_bytes(key) or 0, UNKNOWN_SCORE)
+        self.orphans.refresh_snapshot()
         backend.pick_victims = self.pick_ssd_victims
+        backend.admits_kv = self.admits_kv
         self.runtime.victims.enable_tier(Tier.SSD)
 
     # --- keys and sizes ----------------------------------------------------------------------------
@@ -113,10 +130,22 @@ class SsdTier:
 
     # --- agreed events: storage backups ------------------------------------------------------------
 
+    def wants_backup(self, sg: Any) -> bool:
+        """Whether SGLang's write-through to storage of `sg` has anything to write: its host state
+        (checkpoints are written through to SSD), or its KV when `demote` chose it (the SSD is the
+        host's victim tier for KV). Agreed inputs only (host values, `demote`'s choices)."""
+        return sg.component_data[MAMBA].host_value is not None or id(core_of(sg)) in self.demoting
+
+    def admits_kv(self, page_hash: str) -> bool:
+        """The backend's filter on KV pages (SGLang's backup thread): only pages `demote` chose are
+        written; the others stay on the host alone (reads a frozenset the scheduler thread swaps)."""
+        return page_hash in self.admitted
+
     def on_backup_started(self, operation_id: Any, sg: Any) -> None:
         """SGLang queued `sg`'s pages (and its host state, if any) for the SSD (`write_backup_storage`)."""
-        self.backups[operation_id] = _Backup(core_of(sg), tuple(sg.hash_value or ()),
-                                             sg.component_data[MAMBA].host_value is not None)
+        hashes = tuple(sg.hash_value or ())
+        self.backups[operation_id] = _Backup(core_of(sg), hashes, sg.component_data[MAMBA].host_value is not None,
+                                             bool(hashes) and set(hashes) <= self.admitted)
 
     def on_backup_acked(self, operation_id: Any) -> None:
         """SGLang drained the acknowledgement (an agreed event): the node's objects count as on SSD."""
@@ -124,15 +153,20 @@ class SsdTier:
         if backup is None or not backup.page_hashes:
             return
         node = backup.node
+        if backup.with_kv:
+            self.demoting.pop(id(node), None)
+            self.admitted = self.admitted - set(backup.page_hashes)
         if not node.is_alive:
-            self._orphan(backup.page_hashes, backup.page_hashes if backup.with_state else ())
+            self._orphan_group(backup.page_hashes if backup.with_kv else (),
+                               backup.page_hashes if backup.with_state else (), UNKNOWN_SCORE)
             return
         had_checkpoint, had_ssd_state = bool(node.ckpt_mask), node.ssd_state
         if backup.with_state and node.sg.hash_value and node.sg.hash_value[-1] == backup.page_hashes[-1]:
             node.ssd_state = True
+            self.orphans.claim((self._state_key(backup.page_hashes),))
             self.runtime.state.on_state_written(self.runtime.now())
             self.note_state_copy(node)
-        written = set(backup.page_hashes)
+        written = set(backup.page_hashes) if backup.with_kv else set()
         victims = self.runtime.victims
         marked, new_kv_tokens = [], 0
         head = node
@@ -141,6 +175,9 @@ class SsdTier:
             head.ssd_kv = True  # the node, and the heads split off it since the backup started
             marked.append(head)
             head = head.parent
+        if marked:
+            self.orphans.claim(self._kv_keys(backup.page_hashes))
+            self._orphans_changed = True
         if node.ckpt_mask and not had_checkpoint:
             victims.touch_checkpoint_neighbourhood(node)
         self.runtime.bytes_in(Tier.SSD, new_kv_tokens * self.kv_bytes_per_token
@@ -148,12 +185,35 @@ class SsdTier:
         for changed in marked + ([head] if head.sg.parent is not None else []):
             victims.touch(changed)  # new SSD units; `head` is no longer an SSD tier-leaf
 
+    def on_prefetched(self, anchor: Any, page_hashes: tuple) -> None:
+        """SGLang's L3 prefetch inserted host nodes below `anchor` from these SSD pages (an agreed
+        event: every rank inserts the MIN-agreed length): their KV is on SSD, and no longer orphaned."""
+        fetched = set(page_hashes)
+        if not fetched:
+            return
+        self.orphans.claim(self._kv_keys(page_hashes))
+        self._orphans_changed = True
+        stack = list(anchor.children.values())
+        while stack:
+            sg = stack.pop()
+            if not sg.hash_value or not set(sg.hash_value) <= fetched:
+                continue
+            node = core_of(sg)
+            if not node.ssd_kv:
+                node.ssd_kv = True
+                self.runtime.victims.touch(node)
+                self.runtime.victims.touch(node.parent)
+            stack.extend(sg.children.values())
+
     def on_node_removed(self, node: CoreNode) -> None:
-        """SGLang deleted `node`: its SSD objects become orphans."""
+        """SGLang deleted `node`: its SSD objects become orphans, ranked by the score they had."""
         hashes = tuple(node.sg.hash_value or ())
         self.homing.pop(id(node), None)
+        self.demoting.pop(id(node), None)
         if node.ssd_kv or node.ssd_state:
-            self._orphan(hashes if node.ssd_kv else (), hashes if node.ssd_state else ())
+            unit = UnitKind.BUNDLE if node.ssd_kv else UnitKind.CHECKPOINT
+            score = self.runtime.state.score(node, unit, SSD_BIT)
+            self._orphan_group(hashes if node.ssd_kv else (), hashes if node.ssd_state else (), score)
             node.ssd_kv = node.ssd_state = False
 
     def on_tree_reset(self, nodes) -> None:
@@ -169,8 +229,63 @@ class SsdTier:
         self._abandoned = []
         self.candidates.clear()
         self.homing.clear()
+        self.demoting.clear()
         for node in nodes:
             self.on_node_removed(node)
+        self.orphans.refresh_snapshot()
+
+    def _orphan_group(self, kv_hashes: tuple, state_hashes: tuple, score: float) -> None:
+        page_bytes = self.kv_bytes_per_token * self.cache.page_size
+        self.orphans.add(self._kv_keys(kv_hashes), page_bytes, score)
+        if state_hashes:
+            self.orphans.add((self._state_key(state_hashes),), self.checkpoint_bytes, score)
+        self._orphans_changed = True
+
+    # --- the SSD as the host's victim tier for KV ---------------------------------------------------
+
+    def demote(self) -> int:
+        """Write the lowest-ranked host KV ahead of its eviction: once the host KV pool is full past
+        1 - DEMOTE_MARGIN, the host bundles (host leaves, what SGLang's host walk deletes next) that
+        rank lowest and cover DEMOTE_MARGIN of the pool, with the host-only ancestors the same walk can
+        delete after them (`_host_chain`), are made SSD-backed, each through SGLang's own
+        `write_backup_storage` with its pages admitted. What the host then evicts is on SSD already,
+        and its objects stay cache as orphans. Scheduler thread, once per step; every input is agreed
+        (host pool usage follows tree events, eq. 7 on the agreed clock). Returns backups started."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        group = self.cache.host_pool_group
+        host_pool = group.get_pool(PoolName.KV) if group is not None else None
+        if host_pool is None:
+            return 0
+        capacity_tokens = host_pool.size
+        if host_pool.available_size() > DEMOTE_MARGIN * capacity_tokens:
+            return 0
+        margin_tokens, covered = DEMOTE_MARGIN * capacity_tokens, [0]
+
+        def enough(node: CoreNode, unit: UnitKind) -> bool:
+            covered[0] += len(node.keys)
+            return covered[0] >= margin_tokens
+
+        chosen, seen = [], set()
+        for leaf, _ in self.runtime.victims.peek(Tier.CPU, is_bundle, enough):
+            for node in _host_chain(leaf):
+                if id(node) not in seen and not node.ssd_kv and id(node) not in self.demoting and node.sg.hash_value:
+                    chosen.append(node)
+                seen.add(id(node))
+        started = 0
+        for node in chosen:
+            hashes = set(node.sg.hash_value)
+            self.admitted = self.admitted | hashes
+            self.demoting[id(node)] = node
+            before = len(self.cache.ongoing_backup)
+            self.cache.write_backup_storage(node.sg.id)
+            if len(self.cache.ongoing_backup) > before:
+                started += 1
+                self.runtime.metrics.record_demoted(len(node.keys))
+            else:  # SGLang queued nothing (storage disabled, or not backed up to the host after all)
+                self.demoting.pop(id(node), None)
+                self.admitted = self.admitted - hashes
+        return started
 
     # --- asymmetric tiering: historical checkpoints live on SSD -----------------------------------
 
@@ -203,14 +318,6 @@ class SsdTier:
             self.runtime.metrics.record_homed(dropped)
         return dropped
 
-    def _orphan(self, kv_hashes: tuple, state_hashes: tuple) -> None:
-        page_bytes = self.kv_bytes_per_token * self.cache.page_size
-        for key in self._kv_keys(kv_hashes):
-            self.orphans[key] = page_bytes
-        if state_hashes:
-            self.orphans[self._state_key(state_hashes)] = self.checkpoint_bytes
-        self._orphan_keys = tuple(self.orphans)
-
     # --- SSD victims --------------------------------------------------------------------------------
 
     def local_used_bytes(self) -> int:
@@ -220,29 +327,45 @@ class SsdTier:
         self.agreed_used_bytes = used_bytes
 
     def trim(self) -> int:
-        """Delete SSD objects down to LOW_WATERMARK once the agreed usage passed HIGH_WATERMARK: orphans
-        oldest first, then the lowest eq. 7 scores. Returns the nominal bytes freed. Scheduler thread."""
+        """Delete SSD objects down to LOW_WATERMARK once the agreed usage passed HIGH_WATERMARK, lowest
+        eq. 7 score first over the live SSD units and the orphans (frozen at the score their node had
+        when SGLang deleted it; objects from before a restart first). Returns the nominal bytes freed.
+        Scheduler thread."""
+        try:
+            return self._trim()
+        finally:
+            if self._orphans_changed:
+                self.orphans.refresh_snapshot()
+                self._orphans_changed = False
+
+    def _trim(self) -> int:
         capacity = self.backend.store.config.capacity_bytes
         if self.agreed_used_bytes <= HIGH_WATERMARK * capacity:
             return 0
         need = self.agreed_used_bytes - LOW_WATERMARK * capacity
         freed = 0
-        store = self.backend.store
-        while freed < need and self.orphans:
-            key, size = self.orphans.popitem(last=False)
-            store.delete(key)
-            freed += size
-        self._orphan_keys = tuple(self.orphans)
-        victims = self.runtime.victims
+        store, victims, state = self.backend.store, self.runtime.victims, self.runtime.state
         victims.begin_walk()
         try:
             while freed < need:
                 victim = victims.next_victim(Tier.SSD)
-                if victim is None:
+                orphan_score = self.orphans.lowest_score()
+                if victim is not None and (orphan_score is None
+                                           or state.score(victim[0], victim[1], SSD_BIT) <= orphan_score):
+                    node, unit = victim
+                    self.runtime.on_evicted(node, unit, Tier.SSD, self.runtime.now())
+                    freed += self.evict_unit(node, unit)
+                    continue
+                if victim is not None:
+                    victims.touch(victim[0])  # an orphan ranks lower: the unit stays
+                group = self.orphans.pop_lowest()
+                if group is None:
                     break
-                node, unit = victim
-                self.runtime.on_evicted(node, unit, Tier.SSD, self.runtime.now())
-                freed += self.evict_unit(node, unit)
+                keys, size_bytes = group
+                for key in keys:
+                    store.delete(key)
+                freed += size_bytes * len(keys)
+                self._orphans_changed = True
         finally:
             victims.end_walk()
         return freed
@@ -265,16 +388,15 @@ class SsdTier:
         return freed
 
     def pick_ssd_victims(self, bytes_needed: int) -> list:
-        """The store's `on_capacity_needed` (docs/storage.md): orphans oldest first, never a ranked
-        unit (ranking reads the tree, which only the scheduler thread may). Runs in SGLang's backup
-        thread; reads a snapshot only."""
+        """The store's `on_capacity_needed` (docs/storage.md): orphans lowest score first, never a
+        live unit (ranking reads the tree, which only the scheduler thread may). Runs in SGLang's
+        backup thread; reads the snapshot `trim` refreshes."""
         keys, covered = [], 0
-        size = self.kv_bytes_per_token * self.cache.page_size
-        for key in self._orphan_keys:
+        for key, size_bytes in self.orphans.snapshot:
             if covered >= bytes_needed:
                 break
             keys.append(key)
-            covered += self.checkpoint_bytes if key.startswith("mamba/") else size
+            covered += size_bytes
         return keys
 
     # --- restores ----------------------------------------------------------------------------------
@@ -382,9 +504,11 @@ class SsdTier:
         self._reader.shutdown(wait=True)
         self.reap()
         self.backend.pick_victims = None
+        self.backend.admits_kv = None
         self.candidates.clear()
         self.orphans.clear()
-        self._orphan_keys = ()
+        self.admitted = frozenset()
+        self.demoting.clear()
         self.backups.clear()
         for sg in self.cache.tree_core._node_arena.values():
             node = getattr(sg, "_hs_core", None)

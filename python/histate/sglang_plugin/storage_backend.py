@@ -131,6 +131,9 @@ class HiStateStorageBackend(HiCacheStorage):
         # The SSD tier's `pick_ssd_victims` (ssd_tier.py), set by the tree cache once attached. Victims
         # come from HiState's ranking; until it is attached a put that does not fit fails.
         self.pick_victims: Optional[Callable[[int], list]] = None
+        # The SSD tier's `admits_kv` (ssd_tier.py): which KV pages SGLang's write-through may store (the
+        # SSD is the host's victim tier for KV); None (not attached) stores every page.
+        self.admits_kv: Optional[Callable[[str], bool]] = None
         self.store = store if store is not None else open_store(
             section, on_evict=self._on_evict, namespace=rank_namespace(storage_config),
             num_ranks=storage_config.tp_size * storage_config.pp_size, on_capacity_needed=self._on_capacity_needed)
@@ -208,8 +211,11 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
+        """Store the pages not stored yet that the SSD tier admits; a page it does not admit is
+        reported written (it stays on the host alone, which SGLang's write-through cannot express)."""
+        admits = self.admits_kv
         items = [(self.store_key(KV_POOL, k), v.contiguous()) for k, v in zip(keys, values)
-                 if not self.store.exists(self.store_key(KV_POOL, k))]
+                 if (admits is None or admits(k)) and not self.store.exists(self.store_key(KV_POOL, k))]
         results = self.store.put_many(items, pack=True) if items else []
         for (key, value), result in zip(items, results):
             if result.stored:

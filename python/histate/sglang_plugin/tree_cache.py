@@ -156,9 +156,14 @@ class HiStateRadixCache(UnifiedRadixCache):
     # --- the SSD tier's agreed events and restores (ssd_tier.py) ---------------------------------------
 
     def write_backup_storage(self, node_id: Any) -> None:
+        """SGLang writes every host backup through to storage; HiState writes a node's state through
+        and its KV only when `SsdTier.demote` chose it (the SSD is the host's victim tier for KV), so
+        a backup with nothing to write is not queued."""
+        tier = self.histate.ssd_tier
+        if tier is not None and not tier.wants_backup(self.tree_core.node_by_id(node_id)):
+            return
         started = set(self.ongoing_backup)
         super().write_backup_storage(node_id)
-        tier = self.histate.ssd_tier
         if tier is not None:
             for operation_id in set(self.ongoing_backup) - started:
                 tier.on_backup_started(operation_id, self.tree_core.node_by_id(node_id))
@@ -171,11 +176,21 @@ class HiStateRadixCache(UnifiedRadixCache):
             for operation_id in sorted(pending - set(self.ongoing_backup)):
                 tier.on_backup_acked(operation_id)
 
+    def _handle_prefetch_result(self, operation: Any) -> None:
+        """SGLang's L3 prefetch inserts host nodes read from HiState's SSD: they are SSD-backed."""
+        entry = self.ongoing_prefetch.get(operation.handle)
+        super()._handle_prefetch_result(operation)
+        tier = self.histate.ssd_tier
+        if tier is not None and entry is not None and operation.completed_tokens > 0:
+            anchor = self.tree_core.node_by_id(entry.anchor_node_id)
+            tier.on_prefetched(anchor, tuple(operation.hash_value[: operation.completed_tokens // self.page_size]))
+
     def check_hicache_events(self) -> None:
         super().check_hicache_events()
         tier = self.histate.ssd_tier
         if tier is not None:
             tier.home_historical()
+            tier.demote()
             tier.trim()
             tier.reap()
 

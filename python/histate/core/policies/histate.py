@@ -16,10 +16,12 @@ histate-exclusive  simulator only: exclusive tiers (KV demoted GPU -> CPU -> SSD
   prefill pass computes is kept, inside that pass (core/capture.py; sglang_plugin/capture.py); chunked-
   prefill cuts are floored to the state grid; a finished request donates the last state decode tracked
   on the 64-token grid, and the insert stops at the deepest state (sglang_hicache.py);
-* tiers: SGLang's HiCache write-through for KV (device -> host -> SSD copies, kept inclusive); a
-  checkpoint is written through to the SSD, keeps its device copy while it is a trajectory's terminal
-  state and lives on the SSD alone once it is historical (asymmetric tiering, paper §3.1). Host DRAM
-  holds KV; its state slots only stage transfers, so checkpoints never occupy the CPU tier.
+* tiers: SGLang's HiCache write-through for KV from device to host (the host keeps a copy of what the
+  device holds); KV reaches the SSD when the host evicts it (HiState writes it there first), so the SSD
+  holds what the faster tiers do not; a checkpoint is written through to the SSD, keeps its device copy
+  while it is a trajectory's terminal state and lives on the SSD alone once it is historical (asymmetric
+  tiering, paper §3.1). Host DRAM holds KV; its state slots only stage transfers, so checkpoints never
+  occupy the CPU tier. Measured against exclusive and fully inclusive tiers in docs/results.md.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from ..units import expected_cost_tokens, last_access_s, reclaim_tokens
 class HiState(Policy):
     name = "histate"
     tiers = (Tier.GPU, Tier.CPU, Tier.SSD)
-    write_through = True  # SGLang HiCache's write-through: KV device -> host -> SSD, checkpoints -> SSD
+    write_through = True  # SGLang HiCache's write-through: KV device -> host, checkpoints -> SSD
+    kv_write_through_tiers = (Tier.CPU,)  # the SSD is the host's victim tier for KV (docs/policies.md "Tiering")
     checkpoint_tiers = (Tier.GPU, Tier.SSD)  # the host's state slots stage transfers only
     historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
     captures_in_pass = True  # every planned position, inside the pass that computes it (core/capture.py)

@@ -1,0 +1,80 @@
+"""SSD objects no tree node knows any more, ranked for deletion.
+
+SGLang deletes a node when it leaves the host (its host eviction removes the leaf; a flush removes
+every node; a restart starts with an empty tree). Its objects on HiState's SSD stay readable by
+SGLang's own L3 prefetch (by page hash), so they are still cache; but no node carries them, so the
+SSD tier's live eq. 7 ranking cannot score them. Each group (one node's objects) keeps the score its
+node had when it went (eq. 7 with the node's last access time and cost at that moment, frozen), and the
+SSD trim weighs it against the live units (ssd_tier.py). Objects found at a restart have no score and
+go first. A key a live node writes again (the same prefix cached anew) is claimed back and never
+deleted as an orphan.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Iterable, Optional
+
+UNKNOWN_SCORE = float("-inf")
+"""Score of objects from before a restart: nothing is known of them, so they go first."""
+
+
+class OrphanObjects:
+    def __init__(self) -> None:
+        self._heap: list = []  # (score, seq, keys, bytes per key)
+        self._owner: dict = {}  # key -> seq of the group that owns it
+        self._seq = itertools.count()
+        self.snapshot: tuple = ()  # (key, bytes), lowest score first, for the store's thread (refresh_snapshot)
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._owner
+
+    def keys(self) -> set:
+        return set(self._owner)
+
+    def add(self, keys: Iterable[str], size_bytes: int, score: float) -> None:
+        """One node's objects (`size_bytes` each), ranked by `score` (lower goes first)."""
+        keys = tuple(keys)
+        if not keys:
+            return
+        seq = next(self._seq)
+        for key in keys:
+            self._owner[key] = seq
+        heapq.heappush(self._heap, (score, seq, keys, size_bytes))
+
+    def claim(self, keys: Iterable[str]) -> None:
+        """A live node holds these keys again: they are no longer orphans."""
+        for key in keys:
+            self._owner.pop(key, None)
+
+    def lowest_score(self) -> Optional[float]:
+        self._drop_empty()
+        return self._heap[0][0] if self._heap else None
+
+    def pop_lowest(self) -> Optional[tuple]:
+        """(keys still orphaned, bytes each) of the lowest-ranked group, or None."""
+        self._drop_empty()
+        if not self._heap:
+            return None
+        _, seq, keys, size_bytes = heapq.heappop(self._heap)
+        owned = tuple(k for k in keys if self._owner.get(k) == seq)
+        for key in owned:
+            del self._owner[key]
+        return owned, size_bytes
+
+    def _drop_empty(self) -> None:
+        while self._heap and not any(self._owner.get(k) == self._heap[0][1] for k in self._heap[0][2]):
+            heapq.heappop(self._heap)
+
+    def refresh_snapshot(self) -> None:
+        """(key, bytes) in deletion order, for `SsdTier.pick_ssd_victims` (another thread reads it)."""
+        self.snapshot = tuple((k, size_bytes) for _, seq, keys, size_bytes in sorted(self._heap)
+                              for k in keys if self._owner.get(k) == seq)
+
+    def clear(self) -> None:
+        self._heap.clear()
+        self._owner.clear()
+        self.snapshot = ()
