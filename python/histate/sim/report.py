@@ -41,7 +41,12 @@ def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi")
             summaries[name]["engine"] = run.engine_stats["scheduler"]
             summaries[name]["admissions_deferred"] = run.engine_stats["engine"].admissions_deferred
             summaries[name]["preemptions"] = run.engine_stats["engine"].preemptions
-            summaries[name]["admission_overcommits"] = run.engine_stats["admission"].overcommits
+            gate = run.engine_stats["admission"]
+            summaries[name]["admission_overcommits"] = gate.overcommits
+            if gate.planned_interior:  # in-pass capture (core/capture.py): what the passes realised
+                summaries[name]["captures"] = {"planned_interior": gate.planned_interior,
+                                               "captured_interior": gate.captured_interior,
+                                               "off_grid": gate.off_grid}
         if cohort:
             summaries[name]["cohort_ttft_mean_s"] = summarize(run, cohort)["ttft_mean_s"]
     return {"policies": summaries, "speedup_vs_" + baseline: speedups(summaries, baseline),
