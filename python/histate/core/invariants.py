@@ -16,6 +16,9 @@ def check_invariants(cache) -> None:
     for t in policy.tiers:
         if ledger.has_tier(t):
             allowed |= 1 << t
+    ckpt_allowed = 0
+    for t in policy.checkpoint_tiers or policy.tiers:
+        ckpt_allowed |= 1 << t
     used = {pool: 0 for pool in ledger.capacity_bytes}
     protected = {pool: 0 for pool in ledger.capacity_bytes}
     live_entries = cache.evictor.live_units()
@@ -36,6 +39,9 @@ def check_invariants(cache) -> None:
             _fail("I3", f"{node} has no KV copy in any tier")
         if (node.kv_mask | node.ckpt_mask) & ~allowed:
             _fail("I3", f"{node} has a copy in a tier the policy does not use")
+        # I11: checkpoints only in the tiers the policy keeps them in (HiState: device and SSD)
+        if node.ckpt_mask & ~ckpt_allowed:
+            _fail("I11", f"{node} holds a checkpoint in a tier its policy keeps none in")
         # I8: states only where the policy admits them
         if node.ckpt_mask and policy.dense_checkpoints:
             _fail("I8", f"{node} holds an explicit checkpoint under a dense policy")

@@ -102,3 +102,14 @@ class HiStateExclusive(HiState):
     name = "histate-exclusive"
     write_through = False
     checkpoint_tiers = None
+
+
+@register_policy
+class HiStateWriteBack(HiState):
+    """SGLang's `--hicache-write-policy write_back` under HiState's tiers: device KV reaches the host only
+    when the device evicts it (a host hit is copied back, the host copy stays), the SSD is the host's
+    victim tier, checkpoints are written through to the SSD as in `histate`. The plugin refuses
+    write_back today, so this exists in the simulator only, to measure what supporting it would buy."""
+
+    name = "histate-writeback"
+    kv_write_through_tiers = ()
