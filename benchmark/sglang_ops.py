@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+from histate.core import DEFAULT_TAU_S
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -149,7 +151,7 @@ def main() -> None:
     parser.add_argument("--state-slots", type=int, default=48, help="device state pool, slots")
     parser.add_argument("--chunk-tokens", type=int, default=8192, help="stock placement's chunked prefill size")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tau", type=float, default=60.0, help="HiState's eq. 7 time scale, s (--histate-tau)")
+    parser.add_argument("--tau", type=float, default=DEFAULT_TAU_S, help="HiState's eq. 7 time scale, s (--histate-tau)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny-states", action="store_true",
                         help="states of ~17 KV-token equivalents instead of Qwen3.5-9B's ~1,540: the "

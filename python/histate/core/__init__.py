@@ -5,7 +5,7 @@ Executors (histate.sim, histate.reference, histate.sglang_plugin, the CLI) impor
 """
 from .cache import HybridPrefixCache, InsertResult, RequestLease, make_cache
 from .capture import PassCaptures, captured_positions, floor_cut, split_pass
-from .config import (DEFAULT_CHUNK_PAGES, DEFAULT_EMA_ALPHA, DEFAULT_FIXED_INTERVAL_PAGES, DEFAULT_INTERVALS_PAGES,
+from .config import (DECODE_TRACK_INTERVAL_TOKENS, DEFAULT_CHUNK_PAGES, DEFAULT_EMA_ALPHA, DEFAULT_FIXED_INTERVAL_PAGES, DEFAULT_INTERVALS_PAGES,
                      DEFAULT_INTERVALS_TOKENS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR,
                      MIN_STAGING_SLOTS, STATE_GRID_TOKENS, CacheConfig, default_staging_slots)
 from .interval import Ema, IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
@@ -18,16 +18,17 @@ from .stats import CacheStats
 from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, ConfigError, HiStateError,
                     InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind)
 from .units import checkpoint_at_or_above, checkpoint_neighbours, checkpoints_above_removed_leaf, units_of
-from .victims import VictimHeap, reoffer
+from .victims import DeferredReoffers, VictimHeap, reoffer
 
 __all__ = [
-    "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheObserver", "CacheStats", "ConfigError", "DEFAULT_CHUNK_PAGES",
+    "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheObserver", "CacheStats", "ConfigError", "DECODE_TRACK_INTERVAL_TOKENS",
+    "DEFAULT_CHUNK_PAGES",
     "DEFAULT_EMA_ALPHA", "DEFAULT_FIXED_INTERVAL_PAGES", "DEFAULT_INTERVALS_PAGES", "DEFAULT_INTERVALS_TOKENS",
     "DEFAULT_RESTORE_COST_TOKENS",
     "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MIN_STAGING_SLOTS", "MatchResult",
     "PassCaptures", "Policy", "PolicyState", "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
-    "ScoringContext", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
+    "DeferredReoffers", "ScoringContext", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
     "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
     "continuous_optimum_pages", "default_staging_slots", "floor_cut", "make_cache", "make_policy",
     "recompute_cost_pages", "register_policy", "reoffer", "split_pass", "units_of",

@@ -15,7 +15,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .config import CacheConfig
+from .config import DEFAULT_STATE_FRACTION, CacheConfig
 from .eviction import Evictor
 from .items import ItemBook
 from .ledger import Ledger, PartitionedLedger, UnboundedLedger
@@ -421,7 +421,6 @@ def _floor_to_block(path: list, num_pages: int, partial: Optional[Node], block_p
 
 
 def _default_split(capacity: dict) -> dict:
-    from .policies.sglang_hicache import DEFAULT_STATE_FRACTION
     return {t: DEFAULT_STATE_FRACTION for t in capacity}
 
 

@@ -45,6 +45,11 @@ DEFAULT_CHUNK_PAGES = 128
 DEFAULT_FIXED_INTERVAL_PAGES = 288
 """Interval of the `histate-fixed32` ablation: the paper's 32 vLLM blocks of 576 tokens = 288 pages."""
 
+DEFAULT_STATE_FRACTION = 0.47
+"""Share of each tier SGLang 0.5.23's static split gives recurrent states (`--mamba-full-memory-ratio`
+0.9 on Qwen3.5-9B, mirrored on the host by `--hicache-ratio`; docs/policies.md): what a partitioned
+ledger uses for a tier its config does not name."""
+
 DECODE_TRACK_INTERVAL_TOKENS = 256
 """SGLang's `--mamba-track-interval` (sglang/srt/arg_groups/fields/exec_.py:530-533): during decode
 the recurrent state is tracked where the sequence length is a multiple of 256 tokens, and a finished

@@ -37,7 +37,7 @@ from .policy_state import PolicyState
 from .tree import Node, RadixTree
 from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
 from .units import checkpoint_neighbours, checkpoints_above_removed_leaf, is_tier_leaf, units_of
-from .victims import VictimHeap, reoffer
+from .victims import DeferredReoffers, VictimHeap, reoffer
 
 _COMPACT_FACTOR = 4  # rebuild the heaps once stale entries outnumber live ones this many times
 
@@ -55,8 +55,7 @@ class Evictor:
         ledger = book.ledger
         self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
         self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
-        self._deferred: dict = {}  # id -> node whose re-rank waits for the end of the pass
-        self._pass_depth = 0  # make_room nests (demotion makes room below): flush at the outermost
+        self._deferred = DeferredReoffers()  # re-ranks that wait for the end of the make_room pass
         self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
             (unit, int(t)): self.heaps[ledger.pool_of(t, ItemKind.KV if unit is UnitKind.BUNDLE else ItemKind.CHECKPOINT)]
             for unit in UnitKind for t in ALL_TIERS if ledger.has_tier(t)}
@@ -77,22 +76,11 @@ class Evictor:
         (`units.checkpoints_above_removed_leaf`; `node` itself was just re-offered). Deferred while a
         `make_room` pass runs."""
         for above in checkpoints_above_removed_leaf(node, removed_end, self.state.near_end_reach_units):
-            if above is node:
-                continue
-            if self._pass_depth:
-                self._deferred[id(above)] = above
-            else:
-                self.touch(above)
+            if above is not node:
+                self._deferred.offer(above, self.touch)
 
     def _flush_deferred(self) -> bool:
-        """Re-offer the nodes deferred during the pass; True if there were any."""
-        if not self._deferred:
-            return False
-        deferred, self._deferred = self._deferred, {}
-        for node in deferred.values():
-            if node.is_alive:
-                self.touch(node)
-        return True
+        return self._deferred.flush(self.touch)
 
     def touch_checkpoint_neighbourhood(self, node: Node) -> None:
         """A checkpoint appeared or vanished at `node`: the gap of the checkpoints below changed too
@@ -108,15 +96,15 @@ class Evictor:
         ledger = self.book.ledger
         if not ledger.fits_ever(pool, size_bytes):
             return False
-        self._pass_depth += 1
+        self._deferred.depth += 1
         try:
             while ledger.free_bytes(pool) < size_bytes:
                 if not self._evict_one(pool, now_s) and not (self._flush_deferred() and self._evict_one(pool, now_s)):
                     return False
             return True
         finally:
-            self._pass_depth -= 1
-            if not self._pass_depth:
+            self._deferred.depth -= 1
+            if not self._deferred.depth:
                 self._flush_deferred()
 
     def _rank(self, node: Node, unit: UnitKind, tier_index: int):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping
 
+from .config import DEFAULT_STATE_FRACTION
 from .types import ItemKind, Tier
 
 
@@ -91,7 +92,7 @@ class PartitionedLedger(Ledger):
             if tier in self._shared:
                 pools[(tier, None)] = int(size)
                 continue
-            frac = state_fraction.get(tier, 0.5)
+            frac = state_fraction.get(tier, DEFAULT_STATE_FRACTION)
             state = int(size * frac)
             pools[(tier, ItemKind.CHECKPOINT)] = state
             pools[(tier, ItemKind.KV)] = int(size) - state

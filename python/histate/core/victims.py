@@ -32,6 +32,44 @@ _EPS = 1e-9
 _SEQ = count()  # tie-breaker shared by every heap: entries never compare nodes
 
 
+class DeferredReoffers:
+    """Re-offers that wait for the end of an eviction pass (walk): the checkpoints above a removed leaf
+    lose part of their C, and one pass that removes several leaves re-ranks each of them once, with the
+    tree as the pass left it. Shared by the core's `Evictor` and the SGLang plugin's `TierVictims`."""
+
+    __slots__ = ("_nodes", "depth")
+
+    def __init__(self) -> None:
+        self._nodes: dict = {}  # id -> node
+        self.depth = 0  # passes nest (a demotion makes room below): flush at the outermost
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, node_id: int) -> bool:
+        return node_id in self._nodes
+
+    def offer(self, node, touch: Callable[[object], None]) -> None:
+        """Re-offer `node` now, or at the end of the pass running."""
+        if self.depth:
+            self._nodes[id(node)] = node
+        else:
+            touch(node)
+
+    def flush(self, touch: Callable[[object], None]) -> bool:
+        """Re-offer the deferred nodes still in the tree; True if there were any."""
+        if not self._nodes:
+            return False
+        nodes, self._nodes = self._nodes, {}
+        for node in nodes.values():
+            if node.is_alive:
+                touch(node)
+        return True
+
+    def clear(self) -> None:
+        self._nodes.clear()
+
+
 class VictimHeap:
     """The candidates of one pool (a tier, or a (tier, kind) pair under a static split)."""
 

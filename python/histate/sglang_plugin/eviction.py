@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SSD_BIT, PolicyState, Tier, UnitKind, VictimHeap,
-                          checkpoint_neighbours, checkpoints_above_removed_leaf, reoffer, units_of)
+from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SSD_BIT, DeferredReoffers, PolicyState, Tier, UnitKind,
+                          VictimHeap, checkpoint_neighbours, checkpoints_above_removed_leaf, reoffer, units_of)
 
 from .core_nodes import MAMBA, CoreNode, core_of
 
@@ -66,8 +66,7 @@ class TierVictims:
         self.tree_core: Any = None  # set once SGLang built it
         self.tiers = tiers
         self.heaps = {t: VictimHeap() for t in ALL_TIERS}
-        self._deferred: dict = {}  # id -> node whose re-rank waits for the end of the walk
-        self._walk_depth = 0
+        self._deferred = DeferredReoffers()  # re-ranks that wait for the end of the walk
 
     def enable_tier(self, tier: Tier) -> None:
         if tier not in self.tiers:
@@ -119,25 +118,18 @@ class TierVictims:
             self.touch(parent_core)
         reach = self.state.near_end_reach_units
         for above in checkpoints_above_removed_leaf(parent_core, node.depth_pages, reach):
-            if above is parent_core:  # re-offered just above (as the core's `_rerank_checkpoints_above`)
-                continue
-            if self._walk_depth:
-                self._deferred[id(above)] = above
-            else:
-                self.touch(above)
+            if above is not parent_core:  # re-offered just above (as the core's `_rerank_checkpoints_above`)
+                self._deferred.offer(above, self.touch)
 
     # --- walks ---------------------------------------------------------------------------------
 
     def begin_walk(self) -> None:
-        self._walk_depth += 1
+        self._deferred.depth += 1
 
     def end_walk(self) -> None:
-        self._walk_depth -= 1
-        if self._walk_depth == 0 and self._deferred:
-            deferred, self._deferred = self._deferred, {}
-            for node in deferred.values():
-                if node.is_alive:
-                    self.touch(node)
+        self._deferred.depth -= 1
+        if not self._deferred.depth:
+            self._deferred.flush(self.touch)
 
     def _rank(self, node: CoreNode, unit: UnitKind, tier_index: int) -> Optional[float]:
         tier = ALL_TIERS[tier_index]

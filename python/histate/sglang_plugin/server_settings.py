@@ -13,12 +13,11 @@ import math
 import os
 from typing import Any, Callable, Optional
 
-from histate.core import STATE_GRID_TOKENS
+from histate.core import DECODE_TRACK_INTERVAL_TOKENS, STATE_GRID_TOKENS
 
 from .config import HiStateConfig, HiStateConfigError, parse_storage_section
 
-SGLANG_MAMBA_TRACK_INTERVAL = 256
-"""SGLang's default `--mamba-track-interval` (sglang/srt/arg_groups/fields/exec_.py:530-533)."""
+SGLANG_MAMBA_TRACK_INTERVAL = DECODE_TRACK_INTERVAL_TOKENS  # SGLang's default --mamba-track-interval
 RADIX_BACKEND_NAME = "histate"
 STORAGE_BACKEND_NAME = "histate"
 STORAGE_MODULE_PATH = "histate.sglang_plugin.storage_backend"

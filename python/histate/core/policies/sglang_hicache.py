@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from . import register_policy
 from .base import AdmissionContext, Policy, last_decode_state, step_ends
+from ..config import DEFAULT_STATE_FRACTION  # noqa: F401  (re-exported: where readers of this policy look)
 from ..types import Tier
-
-DEFAULT_STATE_FRACTION = 0.47
 
 
 @register_policy
