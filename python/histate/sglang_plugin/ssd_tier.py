@@ -4,18 +4,26 @@ The bytes live in `HiStateStorageBackend` (storage_backend.py); SGLang writes th
 own L2 -> L3 write-through (`write_backup_storage` after each host backup, unified_radix_cache.py:
 1990-2020). This module keeps the tree's view of that tier, in a way every TP/PP rank shares:
 
+What is written (docs/policies.md "Tiering"): a node's state, through SGLang's write-through; its KV
+only when `demote` chose it. The SSD is the host's victim tier for KV: once the host KV pool is more
+than 1 - DEMOTE_MARGIN full, the lowest-ranked host bundles (and the host-only ancestors the same host
+walk can delete right after them) are written ahead of their eviction; the backend's `admits_kv`
+filter skips every other KV page SGLang's write-through hands it.
+
 SSD bits (`CoreNode.ssd_kv` / `ssd_state`) are set when SGLang drains a storage-backup acknowledgement
 (`_drain_storage_control_queues_impl`, whose counts SGLang MIN-all-reduces: unified_radix_cache.py:
-3298-3330), cleared when an agreed SSD eviction or an agreed failed restore removes them. A node SGLang
-deletes while its objects are on SSD leaves them as orphans: SGLang's own L3 prefetch can still find
-them by page hash, HiState's ranking cannot score them (no node), so they go first.
+3298-3330) or inserts host nodes its L3 prefetch read from SSD, and cleared when an agreed SSD eviction
+or an agreed failed restore removes them. A node SGLang deletes while its objects are on SSD leaves
+them as orphans (orphans.py): SGLang's own L3 prefetch can still find them by page hash, and they keep
+the eq. 7 score their node had.
 
-SSD victims (the core's eq. 7 over the SSD bits, `TierVictims` tier SSD) are chosen on the scheduler
-thread once per step (`trim`): when the largest SSD usage of any rank (agreed through the per-step
-all-reduce, clock.py) passes `HIGH_WATERMARK` of the budget, orphans oldest first and then the
-lowest-ranked units are deleted down to `LOW_WATERMARK`, counted in nominal sizes every rank computes
-alike. The store's own `on_capacity_needed` (SGLang's backup thread, between two steps) gets
-`pick_ssd_victims`: orphan keys only, from a snapshot, so it never reads the tree off its thread.
+SSD victims are chosen on the scheduler thread once per step (`trim`): when the largest SSD usage of
+any rank (agreed through the per-step all-reduce, clock.py) passes `HIGH_WATERMARK` of the budget, the
+lowest scores go first, over the live SSD units (the core's eq. 7 over the SSD bits, `TierVictims`
+tier SSD) and the orphans together (objects from before a restart first), down to `LOW_WATERMARK`,
+counted in nominal sizes every rank computes alike. The store's own `on_capacity_needed` (SGLang's
+backup thread, between two steps) gets `pick_ssd_victims`: orphan keys only, from a snapshot, so it
+never reads the tree off its thread.
 
 Asymmetric tiering (paper §3.1): a historical checkpoint (its node has a child: a later position of
 the trajectory holds state) lives on SSD alone. Once its SSD copy is acknowledged and nothing uses
