@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 from histate.core import split_pass
 
+from .hooks import install_once
+
 _SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 _CAPTURES = "_histate_captures"  # ScheduleBatch / ForwardBatch attribute: [(row, relative position, slot)]
@@ -136,19 +138,10 @@ def release_captures(cache: Any, req: Any) -> None:
     req._hs_captures = []
 
 
-_installed = False
-
-
 def install_scheduler_hooks() -> None:
     """Register the scheduler-side hooks (once per process; the scheduler's)."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(f"{_SCHEDULE_BATCH}.prepare_for_extend", prepare_for_extend_around, HookType.AROUND)
-    HookRegistry.register(f"{_SCHEDULE_BATCH}._mamba_radix_cache_v2_req_prepare_for_extend", track_entry_around,
-                          HookType.AROUND)
-    HookRegistry.register(f"{_FORWARD_BATCH}.init_new", forward_batch_init_after, HookType.AFTER)
-    HookRegistry.apply_hooks()
-    _installed = True
+    install_once("capture", [
+        (f"{_SCHEDULE_BATCH}.prepare_for_extend", prepare_for_extend_around, "AROUND"),
+        (f"{_SCHEDULE_BATCH}._mamba_radix_cache_v2_req_prepare_for_extend", track_entry_around, "AROUND"),
+        (f"{_FORWARD_BATCH}.init_new", forward_batch_init_after, "AFTER"),
+    ])

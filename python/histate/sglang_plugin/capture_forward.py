@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Optional, Sequence
 
+from .hooks import install_once
+
 _GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
 _MAMBA_BASE = "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase"
 _CAPTURES = "_histate_captures"
@@ -161,19 +163,11 @@ def track_extend_around(original: Any, backend: Any, forward_batch: Any, h: Any,
     return result
 
 
-_installed = False
-
-
 def install_forward_hooks() -> None:
     """Register the backend hooks (once per process; the scheduler's, which runs the model)."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(f"{_GDN}.__init__", check_extend_kernel, HookType.AFTER)
-    HookRegistry.register(f"{_GDN}.init_forward_metadata", init_forward_metadata_after, HookType.AFTER)
-    HookRegistry.register(f"{_GDN}._convolve_prefill", convolve_prefill_around, HookType.AROUND)
-    HookRegistry.register(f"{_MAMBA_BASE}._track_mamba_state_extend", track_extend_around, HookType.AROUND)
-    HookRegistry.apply_hooks()
-    _installed = True
+    install_once("capture_forward", [
+        (f"{_GDN}.__init__", check_extend_kernel, "AFTER"),
+        (f"{_GDN}.init_forward_metadata", init_forward_metadata_after, "AFTER"),
+        (f"{_GDN}._convolve_prefill", convolve_prefill_around, "AROUND"),
+        (f"{_MAMBA_BASE}._track_mamba_state_extend", track_extend_around, "AROUND"),
+    ])

@@ -31,9 +31,9 @@ from typing import Any, Optional
 from histate.core import floor_cut
 
 from .capture import histate_cache
+from .hooks import install_once
 
 _MODULE = "sglang.srt.managers.schedule_policy.PrefillAdder"
-_installed = False
 
 _continuing: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("histate_continuing_chunk",
                                                                             default=None)
@@ -87,13 +87,8 @@ def floor_chunked_tokens_around(original: Any, adder: Any, trunc_len: int, remai
 
 def install_chunk_planning() -> None:
     """Register the PrefillAdder hooks (once per process; the scheduler's)."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(f"{_MODULE}._select_prefill_admission", select_admission_around, HookType.AROUND)
-    HookRegistry.register(f"{_MODULE}.add_chunked_req", add_chunked_req_around, HookType.AROUND)
-    HookRegistry.register(f"{_MODULE}.floor_chunked_tokens", floor_chunked_tokens_around, HookType.AROUND)
-    HookRegistry.apply_hooks()
-    _installed = True
+    install_once("chunking", [
+        (f"{_MODULE}._select_prefill_admission", select_admission_around, "AROUND"),
+        (f"{_MODULE}.add_chunked_req", add_chunked_req_around, "AROUND"),
+        (f"{_MODULE}.floor_chunked_tokens", floor_chunked_tokens_around, "AROUND"),
+    ])
