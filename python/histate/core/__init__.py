@@ -12,6 +12,7 @@ from .interval import Ema, IntervalController, choose_interval_pages, continuous
 from .observer import CacheObserver
 from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
 from .placement import TierPlan
+from .prefill_order import DEFAULT_MAX_YIELDS, ShortPrefillFirst, prefill_work_tokens
 from .policy_state import PolicyState
 from .scoring import ScoringContext
 from .stats import CacheStats
@@ -22,14 +23,14 @@ from .victims import DeferredReoffers, VictimHeap, reoffer
 
 __all__ = [
     "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheObserver", "CacheStats", "ConfigError", "DECODE_TRACK_INTERVAL_TOKENS",
-    "DEFAULT_CHUNK_PAGES",
+    "DEFAULT_CHUNK_PAGES", "DEFAULT_MAX_YIELDS",
     "DEFAULT_EMA_ALPHA", "DEFAULT_FIXED_INTERVAL_PAGES", "DEFAULT_INTERVALS_PAGES", "DEFAULT_INTERVALS_TOKENS",
     "DEFAULT_RESTORE_COST_TOKENS",
     "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MIN_STAGING_SLOTS", "MatchResult",
-    "PassCaptures", "Policy", "PolicyState", "RequestLease", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
+    "PassCaptures", "Policy", "PolicyState", "RequestLease", "ShortPrefillFirst", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
     "DeferredReoffers", "ScoringContext", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
     "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
-    "continuous_optimum_pages", "default_staging_slots", "floor_cut", "make_cache", "make_policy",
+    "continuous_optimum_pages", "default_staging_slots", "floor_cut", "make_cache", "make_policy", "prefill_work_tokens",
     "recompute_cost_pages", "register_policy", "reoffer", "split_pass", "units_of",
 ]
