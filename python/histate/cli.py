@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, available_policies
+from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_MAX_YIELDS, DEFAULT_TAU_S, available_policies
 from .sim.costs import MODELS
 from .sim.presets import PRESETS
 from .sim.replay import DEFAULT_STAGGER_S, SESSION_SAMPLINGS
@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--engine", choices=("sglang", "vllm"),
                      help="serve every policy with this engine's scheduler and memory admission (what-if; "
                           "default: each policy's own, docs/policies.md)")
+    sim.add_argument("--short-prefill-first", type=_number("passes", at_least=0, integer=True), nargs="?",
+                     const=DEFAULT_MAX_YIELDS, metavar="MAX_YIELDS",
+                     help="policies on SGLang's scheduler cap a continuing chunked prefill so short prefills run "
+                          "first, the long one yielding at most MAX_YIELDS passes in a row "
+                          f"({DEFAULT_MAX_YIELDS}; the plugin's --histate-short-prefill-first, core/prefill_order.py)")
     out = r.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("out/replay"), help="directory for summary.json, requests.csv and plots (out/replay)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -320,6 +325,7 @@ def load_workload(args, settings: dict):
 def build_config(args, settings: dict, page_num_tokens: int):
     from dataclasses import replace
 
+    from .core import ShortPrefillFirst
     from .sim.costs import CalibratedStepCost, PrefillProfile, get_hardware, get_model
     from .sim.replay import ReplayConfig
 
@@ -331,6 +337,9 @@ def build_config(args, settings: dict, page_num_tokens: int):
                           seed=args.seed, tau_s=args.tau, intervals_pages=args.intervals, engine_name=args.engine)
     if args.h2d_gbps is not None or args.ssd_gbps is not None:
         config = replace(config, hardware_spec=hardware.with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps))
+    if getattr(args, "short_prefill_first", None) is not None:
+        rule = ShortPrefillFirst(max_yields=args.short_prefill_first)
+        config = replace(config, engine=replace(config.engine, short_prefill_first=rule))
     if args.calibration:
         profile = PrefillProfile.from_csv(args.calibration)
         config = replace(config, step_cost=CalibratedStepCost(model, config.resolved_hardware(), profile))

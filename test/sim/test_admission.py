@@ -231,3 +231,16 @@ def test_the_simulator_captures_every_planned_position_with_grid_cuts():
     stats = run.engine_stats["admission"]
     assert stats.planned_interior > 0
     assert stats.captured_interior == stats.planned_interior and stats.off_grid == 0
+
+
+def test_short_prefill_first_reaches_sglang_served_policies_only():
+    """The chunk cap is SGLang's (core/prefill_order.py): vLLM's scheduler never gets it."""
+    from histate.core import ShortPrefillFirst
+    from histate.sim.admission import engine_profile
+
+    rule = ShortPrefillFirst(max_yields=3)
+    base = EngineConfig(short_prefill_first=rule)
+    assert engine_profile(make_policy("histate"), QWEN35_9B, base, 64).engine.short_prefill_first == rule
+    assert engine_profile(make_policy("sglang-hicache"), QWEN35_9B, base, 64).engine.short_prefill_first == rule
+    assert engine_profile(make_policy("vllm-disk"), QWEN35_9B, base, 64).engine.short_prefill_first is None
+    assert engine_profile(make_policy("histate"), QWEN35_9B, base, 64, engine="vllm").engine.short_prefill_first is None

@@ -223,3 +223,45 @@ def test_core_tier_enums_are_accepted_as_tiers():
                                                                       SSD_TIER: 5 * 10**6},
                             checkpoint_restore_bytes=10**6, checkpoint_tier=SSD_TIER), 0.0)
     assert a.restore_done_s == b.restore_done_s == pytest.approx(max(70e6 / 64e9, 6e6 / 5e9 + 6e6 / 64e9))
+
+
+def test_short_prefill_first_runs_a_short_prefill_beside_the_long_chunk():
+    # The head-of-line case above with the cap (core/prefill_order.py), pages of 64 tokens: in step 2
+    # the short request's 128 tokens (2 pages) go first and long takes 8192 - 128 = 8064; long's last
+    # 128 tokens run in step 3, which ends at 16 + 128 TOKEN_S like before (it carries no decode: long
+    # had none yet, short finished in step 2).
+    from histate.core import ShortPrefillFirst
+
+    eng = engine(token_budget_per_step=8192, mixed_batches=False, short_prefill_first=ShortPrefillFirst(max_yields=4),
+                 block_num_tokens=64)
+    long_t = eng.submit(req("long", 16384, out=1), 0.0)
+    assert eng.advance_until(1.0) == []
+    short = eng.submit(req("short", 128), 1.0)
+    end2 = 8.0 + (128 + 8064) * TOKEN_S
+    end3 = end2 + 128 * TOKEN_S
+    assert drain(eng) == [("FIRST_TOKEN", "short", end2), ("FINISHED", "short", end2),
+                          ("FIRST_TOKEN", "long", end3), ("FINISHED", "long", end3)]
+    assert short.ttft_s == end2 - 1.0
+    assert long_t.step_end_tokens == [8192, 16256, 16384]
+
+
+def test_short_prefill_first_ages_out_after_max_yields():
+    # Every step is 8 s of 8192 tokens. A 64-token request arrives at 8k + 0.5 s, during step k+1, so
+    # shorts wait before every step. max_yields=1: long is capped, then runs uncapped, and so on.
+    #   step 1 (0-8):   long 8192                 (nothing waited)
+    #   step 2 (8-16):  s0 64,      long 8128     (capped, 1 yield)
+    #   step 3 (16-24): long 8192                 (aged out: uncapped; s1 waits, no budget left)
+    #   step 4 (24-32): s1, s2 128, long 8064     (capped again)
+    #   step 5 (32-):   long's last 192, s3 64    (aged out; both fit anyway)
+    from histate.core import ShortPrefillFirst
+
+    eng = engine(token_budget_per_step=8192, mixed_batches=False, short_prefill_first=ShortPrefillFirst(max_yields=1),
+                 block_num_tokens=64)
+    long_t = eng.submit(req("long", 4 * 8192, out=1), 0.0)
+    for k in range(4):
+        drain(eng, 8 * k + 0.5)
+        eng.submit(req(f"s{k}", 64), 8 * k + 0.5)
+    drain(eng)
+    ends = long_t.step_end_tokens
+    assert [b - a for a, b in zip([0] + ends, ends)] == [8192, 8128, 8192, 8064, 192]
+    assert long_t.first_token_s == 32.0 + (192 + 64) * TOKEN_S   # 0.25 s later than alone

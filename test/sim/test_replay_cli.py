@@ -6,6 +6,7 @@ import json
 import pytest
 
 from histate.cli import main as cli_main
+from histate.core import DEFAULT_MAX_YIELDS
 from histate.sim.presets import PRESETS
 
 from .helpers import ids, weka_request, weka_session, write_jsonl
@@ -300,3 +301,14 @@ def test_per_request_plot_has_a_title_that_defines_reuse_sensitive():
     assert "reuse-sensitive" in title
     assert "vllm-disk hit rate >= 5 points below unlimited's, or histate and vllm-disk hit rates >= 5 points apart" \
         in title
+
+
+def test_short_prefill_first_is_recorded_and_refuses_a_negative_count(tmp_path, capsys):
+    trace = str(small_trace(tmp_path))
+    out_dir = tmp_path / "spf"
+    rc, _, err = run(["--trace", trace, "--policies", "histate", "--out", str(out_dir), "--short-prefill-first", *FAST],
+                     capsys)
+    assert rc == 0, err
+    settings = strict_json((out_dir / "summary.json").read_text())["settings"]
+    assert settings["engine"]["short_prefill_first"] == {"max_yields": DEFAULT_MAX_YIELDS, "short_max_tokens": None}
+    assert_refused(["--short-prefill-first", "-1"], capsys, "--short-prefill-first")

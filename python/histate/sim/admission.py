@@ -66,7 +66,9 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
     name = engine or policy.engine
     if name == "vllm":
         block = vllm_hybrid_blocks(model).block_num_tokens if policy.block_granular else page_num_tokens
-        return EngineProfile("vllm", replace(base, mixed_batches=True, chunk_rule="vllm", block_num_tokens=block),
+        # short_prefill_first is SGLang's chunk cap (core.prefill_order): vLLM's scheduler has no such cap.
+        return EngineProfile("vllm", replace(base, mixed_batches=True, chunk_rule="vllm", block_num_tokens=block,
+                                             short_prefill_first=None),
                              block, 1, grows=True)
     if name == "sglang":
         # HiState floors every chunked-prefill cut to the state grid (sglang_plugin/chunking.py); stock

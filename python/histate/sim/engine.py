@@ -63,7 +63,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Optional
 
-from ..core import floor_cut
+from ..core import ShortPrefillFirst, floor_cut, prefill_work_tokens
 from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, PrefillChunk, RooflineStepCost
 
 
@@ -78,6 +78,7 @@ class EngineConfig:
     io_unit_bytes: int = 64 * 2**20       # background transfer granularity (non-preemptible)
     chunk_rule: str = "none"              # "vllm": align-mode step ends; "grid": cuts floored (module docstring)
     block_num_tokens: int = 1             # the "vllm" rule's block; the "grid" rule's grid
+    short_prefill_first: Optional[ShortPrefillFirst] = None  # cap a continuing chunk for short prefills (docstring)
     caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
     #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
     #   prompts come from the trace's hash ids), so nothing past the prompt can be reused there
@@ -267,7 +268,7 @@ class _Active:
     """One request inside the engine."""
 
     __slots__ = ("req", "timing", "prompt_tokens", "remaining", "context", "target", "decode_left", "started",
-                 "generated", "admission", "grown_to", "needs_decode_memory")
+                 "generated", "admission", "grown_to", "needs_decode_memory", "yields")
 
     def __init__(self, req: EngineRequest, timing: RequestTiming) -> None:
         self.req, self.timing = req, timing
@@ -281,6 +282,7 @@ class _Active:
         self.admission = 0          # count; stale restore-heap entries carry an older one
         self.grown_to = 0           # tokens of KV the gate promised (vLLM growth)
         self.needs_decode_memory = False
+        self.yields = 0             # passes in a row its chunk was capped for short prefills
 
 
 class Engine:
@@ -533,6 +535,23 @@ class Engine:
             n = floor_cut(active.context, active.context + n, self.config.block_num_tokens) - active.context
         return n
 
+    def _short_first_limit(self, budget: int) -> Optional[int]:
+        """The cap `core.prefill_order` puts on the continuing chunk at the head of the prefill queue
+        (SGLang tracks one chunked request; the head is it once it has started), advancing its count
+        of capped passes. None: no cap (the option off, no chunk in progress, or nothing short)."""
+        rule = self.config.short_prefill_first
+        if rule is None or not self._prefill:
+            return None
+        head = self._prefill[0]
+        if not head.started:
+            return None
+        kv_bytes = self.model.kv_bytes_per_token
+        works = [prefill_work_tokens(a.remaining, {t: b / kv_bytes for t, b in a.req.kv_restore_bytes_by_tier.items()})
+                 for a in list(self._prefill)[1:]]
+        limit = rule.chunk_limit(head.remaining, works, budget, self.config.block_num_tokens, head.yields)
+        head.yields = rule.next_yields(head.yields, limit is not None)
+        return limit
+
     def _run_step(self, start: float, limit: float) -> None:
         """One forward step with the prefill chunks that fit (and decode tokens if mixed)."""
         cfg = self.config
@@ -540,12 +559,13 @@ class Engine:
         if cfg.mixed_batches:
             budget -= len(self._decoding)
         members = []
+        head_limit = self._short_first_limit(budget)
         for active in list(self._prefill):
             if budget <= 0:
                 break
             if active.req.request_id not in self._running:
                 continue                           # preempted by an earlier chunk of this step
-            n = self._chunk(active, budget)
+            n = self._chunk(active, budget if head_limit is None or active is not self._prefill[0] else head_limit)
             if n <= 0:
                 continue
             if not self._grow(active, active.context + n, start):

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
+from ..core import DEFAULT_CHUNK_PAGES, STATE_GRID_TOKENS
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -69,7 +71,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(run: PolicyRun, uids: Optional[Iterable[int]] = None) -> dict:
-    records = run.records if uids is None else [r for r in run.records if r.uid in set(uids)]
+    wanted = None if uids is None else set(uids)
+    records = run.records if wanted is None else [r for r in run.records if r.uid in wanted]
     served = [r for r in records if not math.isnan(r.first_token_s)]
     ttfts = [r.ttft_s for r in served]
     later = [r.ttft_s for r in served if r.session_index > 0]
@@ -92,6 +95,16 @@ def summarize(run: PolicyRun, uids: Optional[Iterable[int]] = None) -> dict:
         "ttft_p99_non_first_s": percentile(later, 99),
         "simulated_span_s": max(ends) - min(arrivals) if ends else math.nan,
     }
+
+
+LONG_PREFILL_TOKENS = DEFAULT_CHUNK_PAGES * STATE_GRID_TOKENS
+"""A prefill computing more than one pass's budget (SGLang's 8192-token `--chunked-prefill-size` on
+H100/H200) is chunked: the requests a short-prefill-first order makes wait (core/prefill_order.py)."""
+
+
+def long_prefill_uids(run: PolicyRun, threshold_tokens: int = LONG_PREFILL_TOKENS) -> list:
+    """Requests of `run` that computed more than `threshold_tokens` (input not reused)."""
+    return [r.uid for r in run.records if r.input_tokens - r.reused_tokens > threshold_tokens]
 
 
 def reuse_sensitive_uids(runs: Mapping[str, PolicyRun], ours: str = "histate", base: str = "vllm-disk",

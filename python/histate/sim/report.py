@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from .metrics import PolicyRun, recovered_fraction, reuse_sensitive_uids, speedups, summarize
+from .metrics import PolicyRun, long_prefill_uids, recovered_fraction, reuse_sensitive_uids, speedups, summarize
 
 REPORT_FILES = ("summary.json", "requests.csv", "ttft_cdf.png", "per_request.png")
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
@@ -48,7 +48,13 @@ def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi")
                                                "captured_interior": gate.captured_interior,
                                                "off_grid": gate.off_grid}
         if cohort:
-            summaries[name]["cohort_ttft_mean_s"] = summarize(run, cohort)["ttft_mean_s"]
+            on_cohort = summarize(run, cohort)
+            summaries[name]["cohort_ttft_mean_s"] = on_cohort["ttft_mean_s"]
+            summaries[name]["cohort_ttft_p95_s"] = on_cohort["ttft_p95_s"]
+        long = summarize(run, long_prefill_uids(run))  # what a short-first order costs the long ones
+        summaries[name]["long_prefills"] = long["requests"]
+        summaries[name]["long_prefill_ttft_mean_s"] = long["ttft_mean_s"]
+        summaries[name]["long_prefill_ttft_p95_s"] = long["ttft_p95_s"]
     return {"policies": summaries, "speedup_vs_" + baseline: speedups(summaries, baseline),
             "reuse_sensitive_requests": len(cohort)}
 
