@@ -233,7 +233,7 @@ def test_the_simulator_captures_every_planned_position_with_grid_cuts():
     assert stats.captured_interior == stats.planned_interior and stats.off_grid == 0
 
 
-def test_short_prefill_first_reaches_sglang_served_policies_only():
+def test_each_engine_gets_only_its_own_step_sharing_option():
     """The chunk cap is SGLang's (core/prefill_order.py): vLLM's scheduler never gets it."""
     from histate.core import ShortPrefillFirst
     from histate.sim.admission import engine_profile
@@ -244,3 +244,6 @@ def test_short_prefill_first_reaches_sglang_served_policies_only():
     assert engine_profile(make_policy("sglang-hicache"), QWEN35_9B, base, 64).engine.short_prefill_first == rule
     assert engine_profile(make_policy("vllm-disk"), QWEN35_9B, base, 64).engine.short_prefill_first is None
     assert engine_profile(make_policy("histate"), QWEN35_9B, base, 64, engine="vllm").engine.short_prefill_first is None
+    capped = EngineConfig(long_prefill_token_threshold=2048)   # and vLLM's per-request cap never reaches SGLang
+    assert engine_profile(make_policy("vllm-disk"), QWEN35_9B, capped, 64).engine.long_prefill_token_threshold == 2048
+    assert engine_profile(make_policy("histate"), QWEN35_9B, capped, 64).engine.long_prefill_token_threshold == 0

@@ -265,3 +265,18 @@ def test_short_prefill_first_ages_out_after_max_yields():
     ends = long_t.step_end_tokens
     assert [b - a for a, b in zip([0] + ends, ends)] == [8192, 8128, 8192, 8064, 192]
     assert long_t.first_token_s == 32.0 + (192 + 64) * TOKEN_S   # 0.25 s later than alone
+
+
+def test_long_prefill_token_threshold_caps_every_prefill_per_step():
+    # vLLM's --long-prefill-token-threshold 4096: long takes 4096 tokens a step; the short request that
+    # arrived during step 1 joins step 2 beside long's 4096 instead of waiting for long to finish.
+    eng = engine(token_budget_per_step=8192, long_prefill_token_threshold=4096)
+    long_t = eng.submit(req("long", 16384), 0.0)
+    eng.advance_until(1.0)
+    short = eng.submit(req("short", 128), 1.0)
+    end2 = 4.0 + (4096 + 128) * TOKEN_S
+    assert drain(eng) == [("FIRST_TOKEN", "short", end2), ("FINISHED", "short", end2),
+                          ("FIRST_TOKEN", "long", end2 + 8.0), ("FINISHED", "long", end2 + 8.0)]
+    assert long_t.step_end_tokens == [4096, 8192, 12288, 16384] and short.ttft_s == end2 - 1.0
+    with pytest.raises(ValueError):
+        EngineConfig(long_prefill_token_threshold=-1)

@@ -74,7 +74,8 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
         # HiState floors every chunked-prefill cut to the state grid (sglang_plugin/chunking.py); stock
         # SGLang cuts wherever the budget ends (`mamba_prefill_chunk_grid` is 1 without DCP).
         rule = "grid" if policy.captures_in_pass else "none"
-        return EngineProfile("sglang", replace(base, mixed_batches=False, chunk_rule=rule,
+        # long_prefill_token_threshold is vLLM's per-request step cap; SGLang has none.
+        return EngineProfile("sglang", replace(base, mixed_batches=False, chunk_rule=rule, long_prefill_token_threshold=0,
                                                block_num_tokens=page_num_tokens),
                              1, SGLANG_WORKING_STATES, grows=False)
     raise ValueError(f"policy {policy.name!r}: unknown engine {name!r}; known: {', '.join(ENGINES)}")

@@ -35,6 +35,12 @@ Model:
   `mixed_batches=False` (SGLang's default): prefill steps run alone and decode waits. The first
   output token is sampled at the end of the step that finishes the prefill. At least one token
   is always computed (a full hit still runs the last token to get logits).
+* Sharing a step with a long prefill. `short_prefill_first` (SGLang-served policies; HiState's
+  `--histate-short-prefill-first`, core/prefill_order.py) caps the chunk of the prefill in progress at
+  the head of the queue so the short ones behind it run in the same step, with aging.
+  `long_prefill_token_threshold` (vLLM's `--long-prefill-token-threshold`: `Scheduler.schedule` caps
+  `num_new_tokens` of running and waiting requests alike, vllm/v1/core/sched/scheduler.py) gives every
+  prefill at most that many tokens per step, so the rest of the budget reaches the requests behind it.
 * Decode-only stretches are fast-forwarded in closed form (step time is linear in the step index
   while the batch is fixed), so a replay costs O(prefill steps + requests), not O(output tokens).
 * Memory. A request waits in FIFO order until a `MemoryGate` admits it (at its arrival when nobody
@@ -79,13 +85,14 @@ class EngineConfig:
     chunk_rule: str = "none"              # "vllm": align-mode step ends; "grid": cuts floored (module docstring)
     block_num_tokens: int = 1             # the "vllm" rule's block; the "grid" rule's grid
     short_prefill_first: Optional[ShortPrefillFirst] = None  # cap a continuing chunk for short prefills (docstring)
+    long_prefill_token_threshold: int = 0  # vLLM: at most this many tokens per request per step (0: off; docstring)
     caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
     #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
     #   prompts come from the trace's hash ids), so nothing past the prompt can be reused there
 
     def __post_init__(self) -> None:
         if (self.token_budget_per_step < 1 or self.max_running_requests < 1 or self.io_unit_bytes < 1
-                or self.block_num_tokens < 1):
+                or self.block_num_tokens < 1 or self.long_prefill_token_threshold < 0):
             raise ValueError(f"EngineConfig values must be positive: {self}")
         if self.chunk_rule not in CHUNK_RULES:
             raise ValueError(f"EngineConfig.chunk_rule {self.chunk_rule!r} not in {CHUNK_RULES}")
@@ -524,6 +531,8 @@ class Engine:
     def _chunk(self, active: _Active, budget: int) -> int:
         """Tokens of `active` this step may compute with `budget` left (the chunk rule)."""
         n = min(active.remaining, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
         if self.config.chunk_rule == "vllm":
             block = self.config.block_num_tokens
             last_cache = active.target - active.target % block
