@@ -119,6 +119,13 @@ def test_static_device_pool_keeps_sglang_split_and_user_extra_config(sglang_plug
     assert extra["prefetch_threshold"] == 512 and extra["class_name"] == STORAGE_CLASS_NAME
 
 
+def test_session_radix_cache_is_accepted(sglang_plugins):
+    """--enable-session-radix-cache works with HiState (test_session_radix.py): the flag reaches SGLang
+    unchanged, next to HiState's own settings."""
+    sa = _prepare(["--enable-histate", "--enable-session-radix-cache"])
+    assert sa.enable_session_radix_cache is True and sa.radix_cache_backend == "histate"
+
+
 def test_without_the_flag_nothing_changes(sglang_plugins):
     sa = _prepare([])
     assert sa.radix_cache_backend is None
@@ -135,7 +142,6 @@ def test_without_the_flag_nothing_changes(sglang_plugins):
         (["--enable-kv-cache-sharding"], "--enable-kv-cache-sharding"),
         (["--radix-cache-backend", "other"], "--radix-cache-backend"),
         (["--disable-radix-cache"], "--disable-radix-cache"),
-        (["--enable-session-radix-cache"], "--enable-session-radix-cache"),
         (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
         (["--hicache-write-policy", "write_back"], "--hicache-write-policy"),

@@ -53,9 +53,6 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
      "--enable-histate cannot be combined with --enable-lmcache: both replace SGLang's tree cache."),
     (lambda r: bool(_flag(r, "enable_flexkv")),
      "--enable-histate cannot be combined with --enable-flexkv: both replace SGLang's tree cache."),
-    (lambda r: bool(_flag(r, "enable_session_radix_cache")),
-     "--enable-histate does not support --enable-session-radix-cache yet: unified eviction does "
-     "not read session references. Drop --enable-session-radix-cache."),
     (lambda r: _flag(r, "hicache_host_memory_mode", "cache") == "buffer_only",
      "--enable-histate needs --hicache-host-memory-mode cache: HiState keeps reusable KV in host "
      "DRAM, which buffer_only turns into a transient staging buffer."),
