@@ -30,8 +30,13 @@ def _flag(raw: Any, name: str, default: Any = None) -> Any:
     return getattr(raw, name, default)
 
 
-# (predicate on the raw settings, message). Checked in order; the first match is reported.
-_CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
+def _eviction_policy(raw: Any) -> str:
+    return str(_flag(raw, "radix_eviction_policy") or "lru").lower()
+
+
+# (predicate on the raw settings, message or a function of the raw settings giving it). Checked in order;
+# the first match is reported.
+_CONFLICTS: tuple[tuple[Callable[[Any], bool], Any], ...] = (
     (lambda r: bool(_flag(r, "enable_int8_mamba_checkpoint")),
      "--enable-histate cannot be combined with --enable-int8-mamba-checkpoint: HiState moves "
      "checkpoints between device, host and SSD, and SGLang's int8 checkpoint slots are not "
@@ -63,6 +68,14 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
      "--enable-histate does not support --mamba-radix-cache-strategy extra_buffer_lazy yet: its "
      "on-demand track slots are not covered by HiState's checkpoint placement and tests. Use "
      "extra_buffer (or auto)."),
+    (lambda r: _eviction_policy(r) != "lru",
+     lambda r: f"--enable-histate cannot be combined with --radix-eviction-policy {_eviction_policy(r)}: HiState's "
+               "ranking is the eviction policy (paper eq. 7, H = t_last + tau * C / M, over KV bundles and "
+               "checkpoints on device, host and SSD), so SGLang's policy would not be applied. Drop "
+               "--radix-eviction-policy; --histate-tau sets how much recompute cost outweighs recency."),
+    (lambda r: _flag(r, "radix_eviction_policy_config") is not None,
+     "--enable-histate cannot be combined with --radix-eviction-policy-config: it tunes SGLang's eviction "
+     "policy, which HiState's ranking (eq. 7) replaces. Drop it; --histate-tau tunes HiState's ranking."),
     (lambda r: _flag(r, "hicache_storage_backend") not in (None, "dynamic"),
      "--enable-histate brings its own SSD backend; drop --hicache-storage-backend "
      "and give --histate-ssd-dir DIR instead."),
@@ -73,7 +86,16 @@ def check_conflicts(raw: Any) -> None:
     """Raise HiStateConfigError naming the first SGLang flag that HiState cannot run with."""
     for predicate, message in _CONFLICTS:
         if predicate(raw):
-            raise HiStateConfigError(message)
+            raise HiStateConfigError(message(raw) if callable(message) else message)
+
+
+def ignored_settings(raw: Any) -> list[str]:
+    """Warnings for SGLang settings HiState accepts but does not apply (logged once at start)."""
+    notes = []
+    if _flag(raw, "_radix_eviction_policy_explicitly_set", False) and _eviction_policy(raw) == "lru":
+        notes.append("--radix-eviction-policy lru is not applied with --enable-histate: HiState's ranking "
+                     "(eq. 7, H = t_last + tau * C / M) is the eviction policy on every tier")
+    return notes
 
 
 def load_extra_config(value: Optional[str]) -> dict:
