@@ -180,12 +180,14 @@ def test_without_the_flag_nothing_changes(sglang_plugins):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
+        (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint: SGLang 0.5.23's int8 checkpoints are "
+                                             "device-only"),
         (["--enable-unified-cache-external-linker"], "--enable-unified-cache-external-linker"),
         (["--enable-kv-cache-sharding"], "--enable-kv-cache-sharding"),
         (["--radix-cache-backend", "other"], "--radix-cache-backend"),
         (["--disable-radix-cache"], "--disable-radix-cache"),
-        (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode"),
+        (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode cache: with buffer_only SGLang "
+                                                        "keeps no cached data in host DRAM"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
         (["--hicache-write-policy", "write_back"], "--hicache-write-policy"),
         (["--mamba-radix-cache-strategy", "extra_buffer_lazy"], "--mamba-radix-cache-strategy extra_buffer_lazy"),

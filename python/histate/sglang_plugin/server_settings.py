@@ -38,9 +38,13 @@ def _eviction_policy(raw: Any) -> str:
 # the first match is reported.
 _CONFLICTS: tuple[tuple[Callable[[Any], bool], Any], ...] = (
     (lambda r: bool(_flag(r, "enable_int8_mamba_checkpoint")),
-     "--enable-histate cannot be combined with --enable-int8-mamba-checkpoint: HiState moves "
-     "checkpoints between device, host and SSD, and SGLang's int8 checkpoint slots are not "
-     "host- or SSD-aware. Drop --enable-int8-mamba-checkpoint."),
+     "--enable-histate cannot be combined with --enable-int8-mamba-checkpoint: SGLang 0.5.23's int8 "
+     "checkpoints are device-only. HiState moves every checkpoint device -> host -> SSD through SGLang's "
+     "host tier, which copies rows of the active state pool by the node's slot number, while an int8 "
+     "checkpoint is a slot of a separate int8 pool (wrong bytes; sglang mem_cache/hybrid_cache/"
+     "hybrid_pool_assembler.py:1298, unified_cache/components/mamba.py:876-885). SGLang refuses int8 "
+     "checkpoints with --enable-hierarchical-cache itself (arg_groups/mamba_hook.py:82-87). Drop "
+     "--enable-int8-mamba-checkpoint."),
     (lambda r: bool(_flag(r, "enable_unified_cache_external_linker")),
      "--enable-histate cannot be combined with --enable-unified-cache-external-linker: the "
      "external linker replaces the host tier that HiState's KV-first DRAM policy manages. "
@@ -59,8 +63,11 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], Any], ...] = (
     (lambda r: bool(_flag(r, "enable_flexkv")),
      "--enable-histate cannot be combined with --enable-flexkv: both replace SGLang's tree cache."),
     (lambda r: _flag(r, "hicache_host_memory_mode", "cache") == "buffer_only",
-     "--enable-histate needs --hicache-host-memory-mode cache: HiState keeps reusable KV in host "
-     "DRAM, which buffer_only turns into a transient staging buffer."),
+     "--enable-histate needs --hicache-host-memory-mode cache: with buffer_only SGLang keeps no cached "
+     "data in host DRAM (the tree holds no host copies and host eviction frees nothing; sglang "
+     "mem_cache/unified_radix_cache.py:1437-1440), while HiState's host tier keeps reusable KV there and "
+     "lands SSD-restored checkpoints there. Drop --hicache-host-memory-mode buffer_only (--hicache-size "
+     "sets HiState's DRAM budget)."),
     (lambda r: _flag(r, "hicache_write_policy", "write_through") == "write_back",
      "--enable-histate needs a write-through host tier (--hicache-write-policy write_through or "
      "write_through_selective): checkpoints flow device -> host -> SSD as they are created."),
