@@ -19,13 +19,14 @@ lock release, insert, split, demote and load-back). That is the core's parking +
 unit met locked during a walk (R1) is offered again once unlocked, by construction.
 
 Session references (`--enable-session-radix-cache`): SGLang's contract for that flag is "eviction
-consumes unreferenced entries before referenced ones" (fields/memory.py:86-90; FULL's leaf heap keys
-`(ref > 0, ref, policy)`, full.py:205-207, MAMBA's LRU keeps a referenced partition,
-unified_tree_core.py:230, 477-480). On the device and host tiers, where SGLang applies it, a unit a live
-session references ranks after every unreferenced one (`SESSION_RANK_OFFSET_S` added to its eq. 7 score)
-and eq. 7 orders the referenced units among themselves. It is an order, never a pin: a referenced unit
-stays on its heap, so `evict(n)` still frees what the ledgers report, and a session nobody closes (its
-timeout closes it, session_controller.py:482-487) delays its units' eviction but never blocks it. When a
+consumes unreferenced entries before referenced ones" (arg_groups/fields/memory.py:86-89; FULL's leaf
+heap keys `(ref > 0, ref, policy)`, components/full.py:205-207; MAMBA's LRU keeps a referenced partition,
+unified_tree_core.py:230-231, 477-480). On the device and host tiers, where SGLang applies it, a unit a
+live session references ranks after every unreferenced one (`SESSION_RANK_OFFSET_S` added to its eq. 7
+score) and eq. 7 orders the referenced units among themselves. It is an order, never a pin: a referenced
+unit stays on its heap, so `evict(n)` still frees what the ledgers report, and a session nobody closes (a
+session opened with a timeout is closed by SGLang's reaper, session/session_controller.py:482-487) delays
+its units' eviction but never blocks it. When a
 reference goes the node is re-offered (components.py), since its score drops below the key its entry
 may carry. The SSD tier has no session notion in SGLang and is ranked by eq. 7 alone.
 """
