@@ -129,9 +129,11 @@ def attach_hicache(cache: Any, pools: Pools, server_args: Any, histate_config: A
 
 
 def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storage_extra: Optional[dict] = None,
-                  write_through_threshold: int = 1, hicache_ratio: float = 2.0, **histate_kwargs: Any) -> Any:
+                  write_through_threshold: int = 1, hicache_ratio: float = 2.0, params_fields: Optional[dict] = None,
+                  **histate_kwargs: Any) -> Any:
     """A `kind` cache ('histate' or 'stock') with SGLang's host tier attached, and with
-    `storage_extra` (a `dynamic` backend extra config, e.g. HiState's) its storage tier too."""
+    `storage_extra` (a `dynamic` backend extra config, e.g. HiState's) its storage tier too;
+    `params_fields`: further CacheInitParams fields."""
     from histate.sglang_plugin.config import resolve_config
 
     server_args = hicache_server_args(pools.page_size, max(16, pools.page_size), storage_extra=storage_extra,
@@ -139,7 +141,7 @@ def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storag
     if kind == "histate":
         histate_config = histate_config or resolve_config({"enable": True}, {})
         histate_kwargs["histate_config"] = histate_config
-    cache = build_cache(kind, pools, **histate_kwargs)
+    cache = build_cache(kind, pools, params_fields=params_fields, **histate_kwargs)
     return attach_hicache(cache, pools, server_args, histate_config if kind == "histate" else None,
                           write_through_threshold)
 

@@ -99,19 +99,23 @@ def build_unified_pools(kv_tokens: int, mamba_slots: int, max_reqs: int = 8, max
     return Pools(bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator, 1)
 
 
-def cache_params(pools: Pools, tree_core: str = "python", enable_metrics: bool = False) -> Any:
+def cache_params(pools: Pools, tree_core: str = "python", enable_metrics: bool = False, **fields: Any) -> Any:
+    """`CacheInitParams` for `pools`; `fields`: further CacheInitParams fields (e.g.
+    enable_session_radix_cache=True, as `kv_cache_builder` sets it from the flag)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
     return CacheInitParams(
         disable=False, req_to_token_pool=pools.req_to_token_pool, token_to_kv_pool_allocator=pools.allocator,
         page_size=pools.page_size, tree_components=(ComponentType.FULL, ComponentType.MAMBA),
-        enable_mamba_extra_buffer=pools.page_size > 1, tree_core_backend=tree_core, enable_metrics=enable_metrics)
+        enable_mamba_extra_buffer=pools.page_size > 1, tree_core_backend=tree_core, enable_metrics=enable_metrics,
+        **fields)
 
 
-def build_cache(kind: str, pools: Pools, **histate_kwargs: Any) -> Any:
-    """kind: 'histate' (HiStateRadixCache) or 'stock' (SGLang's UnifiedRadixCache, Python core)."""
-    params = cache_params(pools)
+def build_cache(kind: str, pools: Pools, *, params_fields: Optional[dict] = None, **histate_kwargs: Any) -> Any:
+    """kind: 'histate' (HiStateRadixCache) or 'stock' (SGLang's UnifiedRadixCache, Python core);
+    `params_fields`: further CacheInitParams fields."""
+    params = cache_params(pools, **(params_fields or {}))
     if kind == "stock":
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 

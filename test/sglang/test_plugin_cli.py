@@ -70,6 +70,8 @@ def test_launch_server_help_lists_every_histate_flag():
         assert flag in proc.stdout, f"{flag} missing from --help"
     text = " ".join(proc.stdout.split())  # argparse wraps help lines
     assert "SSD budget of each rank" in text and "0 = 90 percent of the free space, split between the TP x PP ranks" in text  # --histate-ssd-size, as docs/sglang.md says
+    assert "it replaces --radix-eviction-policy (a value other than lru is refused)" in text  # --enable-histate
+    assert "This ranking is HiState's eviction policy (it replaces --radix-eviction-policy)" in text  # --histate-tau
 
 
 def test_launch_server_bad_flag_is_one_line_and_exit_2():
@@ -119,6 +121,54 @@ def test_static_device_pool_keeps_sglang_split_and_user_extra_config(sglang_plug
     assert extra["prefetch_threshold"] == 512 and extra["class_name"] == STORAGE_CLASS_NAME
 
 
+def test_session_radix_cache_is_accepted(sglang_plugins):
+    """--enable-session-radix-cache works with HiState (test_session_radix.py): the flag reaches SGLang
+    unchanged, next to HiState's own settings."""
+    sa = _prepare(["--enable-histate", "--enable-session-radix-cache"])
+    assert sa.enable_session_radix_cache is True and sa.radix_cache_backend == "histate"
+
+
+def test_default_eviction_policy_is_accepted_and_an_explicit_lru_is_warned_about(sglang_plugins):
+    """HiState's ranking replaces --radix-eviction-policy: SGLang's default (lru, implicit in every launch)
+    passes silently; an explicit lru is accepted with one warning that it is not applied. (A handler on
+    the plugin's logger: `prepare_server_args` resets the root handlers, server_args.py:703-708.)"""
+    import logging
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    handler = Collect()
+    cli_logger = logging.getLogger("histate.sglang_plugin.cli_hooks")
+    cli_logger.addHandler(handler)
+    try:
+        sa = _prepare(["--enable-histate"])
+        sa.resolve_once()
+        assert sa.radix_eviction_policy == "lru" and handler.messages == []
+        sa = _prepare(["--enable-histate", "--radix-eviction-policy", "lru"])
+        sa.resolve_once()  # the resolution-time pass must not warn again
+        assert handler.messages == [
+            "--radix-eviction-policy lru is not applied with --enable-histate: HiState's ranking "
+            "(eq. 7, H = t_last + tau * C / M) is the eviction policy on every tier"]
+        handler.messages.clear()
+        _prepare(["--radix-eviction-policy", "lru"])  # without HiState: SGLang's business, no word from us
+        assert handler.messages == []
+    finally:
+        cli_logger.removeHandler(handler)
+
+
+def test_engine_path_refuses_another_eviction_policy(sglang_plugins, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv("HISTATE_ENABLE", "1")
+    with pytest.raises(HiStateConfigError, match="--radix-eviction-policy priority: HiState's ranking"):
+        ServerArgs(model_path="dummy", radix_eviction_policy="priority").resolve_once()
+
+
 def test_without_the_flag_nothing_changes(sglang_plugins):
     sa = _prepare([])
     assert sa.radix_cache_backend is None
@@ -130,16 +180,22 @@ def test_without_the_flag_nothing_changes(sglang_plugins):
 @pytest.mark.parametrize(
     "argv, flag",
     [
-        (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
+        (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint: SGLang 0.5.23's int8 checkpoints are "
+                                             "device-only"),
         (["--enable-unified-cache-external-linker"], "--enable-unified-cache-external-linker"),
         (["--enable-kv-cache-sharding"], "--enable-kv-cache-sharding"),
         (["--radix-cache-backend", "other"], "--radix-cache-backend"),
         (["--disable-radix-cache"], "--disable-radix-cache"),
-        (["--enable-session-radix-cache"], "--enable-session-radix-cache"),
-        (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode"),
+        (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode cache: with buffer_only SGLang "
+                                                        "keeps no cached data in host DRAM"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
         (["--hicache-write-policy", "write_back"], "--hicache-write-policy"),
         (["--mamba-radix-cache-strategy", "extra_buffer_lazy"], "--mamba-radix-cache-strategy extra_buffer_lazy"),
+        (["--radix-eviction-policy", "lfu"], "--radix-eviction-policy lfu: HiState's ranking is the eviction policy"),
+        (["--radix-eviction-policy", "slru"], "--radix-eviction-policy slru"),
+        (["--radix-eviction-policy", "priority"], "--radix-eviction-policy priority"),
+        (["--radix-eviction-policy=tlru"], "--radix-eviction-policy tlru"),
+        (["--radix-eviction-policy-config", '{"protected_threshold": 4}'], "--radix-eviction-policy-config"),
     ],
 )
 def test_incompatible_flags_are_rejected_with_one_message(sglang_plugins, capsys, argv, flag):

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from .config import (CONFIG_ATTR, OPTIONS, HiStateConfig, HiStateConfigError, cli_dest, cli_values_from_namespace,
                      resolve_config)
-from .server_settings import apply_to_record
+from .server_settings import apply_to_record, ignored_settings
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,18 @@ def add_cli_args_after(result: Any, parser: Any, *args: Any, **kwargs: Any) -> N
     return None
 
 
+WARNED_ATTR = "_histate_warned"
+"""Underscore bookkeeping attribute: the warnings about ignored settings were logged for this record."""
+
+
 def _apply(record: Any, config: HiStateConfig) -> None:
     changes = apply_to_record(record, config)
     if changes:
         logger.info("HiState enabled: %s; SGLang settings implied: %s", config.describe(), changes)
+    if config.enable and not getattr(record, WARNED_ATTR, False):
+        setattr(record, WARNED_ATTR, True)
+        for note in ignored_settings(record):
+            logger.warning("%s", note)
 
 
 def exit_with_usage_error(message: str) -> NoReturn:

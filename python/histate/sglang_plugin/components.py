@@ -9,7 +9,11 @@ primitives) and change only which unit goes next, asking the cache's `TierVictim
   * host walks (`drive_host_eviction`, SGLang's host-pool pressure path): FULL takes host leaves,
     MAMBA host leaves holding a state and host checkpoints, ranked by eq. 7 instead of the leaf heap
     and the host state LRU (unified_cache/components/full.py:250-280, mamba.py:1012-1069);
-  * MAMBA stamps new checkpoints and re-offers their neighbours (the core's `_add_checkpoint`).
+  * MAMBA stamps new checkpoints and re-offers their neighbours (the core's `_add_checkpoint`);
+  * with `--enable-session-radix-cache`, a node whose session reference goes is re-offered (eviction.py:
+    a referenced unit ranks after every unreferenced one; once unreferenced its score drops below the key
+    its heap entry may carry). SGLang's own session bookkeeping (coverage, tombstones, validation) runs
+    unchanged.
 """
 from __future__ import annotations
 
@@ -85,6 +89,30 @@ class HiStateFullComponent(_HiStateWalks, FullComponent):
             self.cache.histate.victims.touch(core_of(leaf))
         return result
 
+    def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
+        path = self._path_up(leaf, None)
+        super()._dec_session_coverage(session_id, leaf)
+        self._reoffer_unreferenced(path)
+
+    def _recede_session_coverage(self, session_id: str, leaf: Any, fallback: Any) -> None:
+        path = self._path_up(leaf, fallback)
+        super()._recede_session_coverage(session_id, leaf, fallback)
+        self._reoffer_unreferenced(path)
+
+    def _path_up(self, leaf: Any, stop: Any) -> list:
+        """The nodes FULL's session coverage walks (full.py:68-107): `leaf` up to `stop` or the root."""
+        root, path = self.tree_core.root_node, []
+        while leaf is not None and leaf is not stop and leaf is not root:
+            path.append(leaf)
+            leaf = leaf.parent
+        return path
+
+    def _reoffer_unreferenced(self, nodes: list) -> None:
+        victims = self.cache.histate.victims
+        for node in nodes:
+            if node.component_data[self.component_type].session_ref == 0:
+                victims.touch(core_of(node))
+
     def _device_leaf_above(self, node: Any) -> Any:
         """The first node on the path up from `node` that holds KV on the device, if it is an
         evictable leaf (only it can be one: every node above it has a device child)."""
@@ -121,6 +149,13 @@ class HiStateMambaComponent(_HiStateWalks, MambaComponent):
         self.tree_core._cascade_evict(node.sg, self, tracker, device_frees=device_frees,
                                       host_frees=host_frees, cache_actions=cache_actions)
         return None
+
+    def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
+        """A session's reference on this state went (close, timeout, the session moved on, the node was
+        deleted): re-offer it once nothing references it (MAMBA's `_advance` / `_recede` go through here)."""
+        super()._dec_session_coverage(session_id, leaf)
+        if leaf.component_data[self.component_type].session_ref == 0:
+            self.cache.histate.victims.touch(core_of(leaf))
 
     def refresh_lru(self, phase: LRURefreshPhase, node: Any, root_node: Any) -> None:
         super().refresh_lru(phase, node, root_node)  # keeps SGLang's state LRU links consistent

@@ -223,7 +223,9 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("enable", "--enable-histate", "HISTATE_ENABLE", _parse_bool, is_switch=True,
            help="Turn HiState on: radix backend 'histate', hierarchical cache, HiState's host sizing "
-                "and SSD checkpoint store. Hybrid (attention + Mamba/GDN) models only."),
+                "and SSD checkpoint store. Hybrid (attention + Mamba/GDN) models only. HiState's ranking "
+                "(eq. 7, H = t_last + tau * C / M, see --histate-tau) is the eviction policy on device, host "
+                "and SSD: it replaces --radix-eviction-policy (a value other than lru is refused)."),
     Option("ssd_dirs", "--histate-ssd-dir", "HISTATE_SSD_DIR", parse_dirs, nargs="+", metavar="DIR",
            help="One or more directories for the SSD tier (historical checkpoints, cold KV pages). "
                 "Env: comma-separated. Each rank stores in its own subdirectory; nothing else in DIR "
@@ -239,7 +241,9 @@ OPTIONS: tuple[Option, ...] = (
                 "Default: 128 ... 32768 in powers of two; defaults off this server's state grid "
                 "(lcm of the page size and the model's state chunk) are left out."),
     Option("tau_s", "--histate-tau", "HISTATE_TAU", _parse_float, metavar="SECONDS",
-           help="Time scale of unified eviction, H = t_last + tau * C / M (paper eq. 7), in seconds."),
+           help="Time scale of unified eviction, H = t_last + tau * C / M (paper eq. 7), in seconds: how "
+                "much a unit's recompute cost C per reclaimed byte M outweighs its recency t_last. This "
+                "ranking is HiState's eviction policy (it replaces --radix-eviction-policy)."),
     Option("host_state_slots", "--histate-host-state-slots", "HISTATE_HOST_STATE_SLOTS", _parse_count,
            metavar="N",
            help="Host (DRAM) staging slots for recurrent states; the rest of the host budget goes "

@@ -17,6 +17,18 @@ state still is a checkpoint), so `rank` re-reads them: an entry whose unit is go
 every change that can bring a unit back reaches `on_change` (the tree core's leaf-set hook runs on
 lock release, insert, split, demote and load-back). That is the core's parking + re-offer, and why a
 unit met locked during a walk (R1) is offered again once unlocked, by construction.
+
+Session references (`--enable-session-radix-cache`): SGLang's contract for that flag is "eviction
+consumes unreferenced entries before referenced ones" (arg_groups/fields/memory.py:86-89; FULL's leaf
+heap keys `(ref > 0, ref, policy)`, components/full.py:205-207; MAMBA's LRU keeps a referenced partition,
+unified_tree_core.py:230-231, 477-480). On the device and host tiers, where SGLang applies it, a unit a
+live session references ranks after every unreferenced one (`SESSION_RANK_OFFSET_S` added to its eq. 7
+score) and eq. 7 orders the referenced units among themselves. It is an order, never a pin: a referenced
+unit stays on its heap, so `evict(n)` still frees what the ledgers report, and a session nobody closes (a
+session opened with a timeout is closed by SGLang's reaper, session/session_controller.py:482-487) delays
+its units' eviction but never blocks it. When a
+reference goes the node is re-offered (components.py), since its score drops below the key its entry
+may carry. The SSD tier has no session notion in SGLang and is ranked by eq. 7 alone.
 """
 from __future__ import annotations
 
@@ -25,10 +37,24 @@ from typing import Any, Callable, Optional
 from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SSD_BIT, DeferredReoffers, PolicyState, Tier, UnitKind,
                           VictimHeap, checkpoint_neighbours, checkpoints_above_removed_leaf, reoffer, units_of)
 
-from .core_nodes import MAMBA, CoreNode, core_of
+from .core_nodes import FULL, MAMBA, CoreNode, core_of
 
 _BITS = {Tier.GPU: GPU_BIT, Tier.CPU: CPU_BIT, Tier.SSD: SSD_BIT}
 _COMPACT_FACTOR = 4  # rebuild a heap once stale entries outnumber live nodes this many times
+SESSION_RANK_OFFSET_S = float(2**40)
+"""Added to the eq. 7 score of a session-referenced unit (device and host tiers). Unreferenced scores stay
+far below it: t_last is a clock reading in seconds (~35,000 years of headroom) and tau * C / M is at most
+tau times the tokens of a context; at 2^40 a float still resolves 0.25 ms, so eq. 7 keeps ordering the
+referenced units among themselves."""
+
+
+def session_referenced(sg: Any, unit: UnitKind) -> bool:
+    """Whether a live session references `unit` of `sg` (SGLang's `session_ref` counters): a checkpoint
+    through its MAMBA reference (a session's frontier state, components/mamba.py:95-125), a bundle also
+    through FULL's (the KV of every node on a session's path, components/full.py:68-107)."""
+    if sg.component_data[MAMBA].session_ref > 0:
+        return True
+    return unit is UnitKind.BUNDLE and sg.component_data[FULL].session_ref > 0
 
 
 def _locked(sg: Any) -> bool:
@@ -135,7 +161,10 @@ class TierVictims:
         tier = ALL_TIERS[tier_index]
         if unit not in tier_units(node, self.tree_core, tier):
             return None  # locked, or reclassified without a notification: parked until on_change
-        return self.state.score(node, unit, _BITS[tier])
+        score = self.state.score(node, unit, _BITS[tier])
+        if tier is not Tier.SSD and self.tree_core.enable_session_radix_cache and session_referenced(node.sg, unit):
+            score += SESSION_RANK_OFFSET_S
+        return score
 
     def next_victim(self, tier: Tier, accept: Optional[Callable[[CoreNode, UnitKind], bool]] = None) -> Optional[tuple]:
         """Pop the lowest-ranked unit of `tier` that `accept` takes: (node, unit) or None."""

@@ -30,12 +30,21 @@ def _flag(raw: Any, name: str, default: Any = None) -> Any:
     return getattr(raw, name, default)
 
 
-# (predicate on the raw settings, message). Checked in order; the first match is reported.
-_CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
+def _eviction_policy(raw: Any) -> str:
+    return str(_flag(raw, "radix_eviction_policy") or "lru").lower()
+
+
+# (predicate on the raw settings, message or a function of the raw settings giving it). Checked in order;
+# the first match is reported.
+_CONFLICTS: tuple[tuple[Callable[[Any], bool], Any], ...] = (
     (lambda r: bool(_flag(r, "enable_int8_mamba_checkpoint")),
-     "--enable-histate cannot be combined with --enable-int8-mamba-checkpoint: HiState moves "
-     "checkpoints between device, host and SSD, and SGLang's int8 checkpoint slots are not "
-     "host- or SSD-aware. Drop --enable-int8-mamba-checkpoint."),
+     "--enable-histate cannot be combined with --enable-int8-mamba-checkpoint: SGLang 0.5.23's int8 "
+     "checkpoints are device-only. HiState moves every checkpoint device -> host -> SSD through SGLang's "
+     "host tier, which copies rows of the active state pool by the node's slot number, while an int8 "
+     "checkpoint is a slot of a separate int8 pool (wrong bytes; sglang mem_cache/hybrid_cache/"
+     "hybrid_pool_assembler.py:1298, unified_cache/components/mamba.py:876-885). SGLang refuses int8 "
+     "checkpoints with --enable-hierarchical-cache itself (arg_groups/mamba_hook.py:82-87). Drop "
+     "--enable-int8-mamba-checkpoint."),
     (lambda r: bool(_flag(r, "enable_unified_cache_external_linker")),
      "--enable-histate cannot be combined with --enable-unified-cache-external-linker: the "
      "external linker replaces the host tier that HiState's KV-first DRAM policy manages. "
@@ -53,12 +62,12 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
      "--enable-histate cannot be combined with --enable-lmcache: both replace SGLang's tree cache."),
     (lambda r: bool(_flag(r, "enable_flexkv")),
      "--enable-histate cannot be combined with --enable-flexkv: both replace SGLang's tree cache."),
-    (lambda r: bool(_flag(r, "enable_session_radix_cache")),
-     "--enable-histate does not support --enable-session-radix-cache yet: unified eviction does "
-     "not read session references. Drop --enable-session-radix-cache."),
     (lambda r: _flag(r, "hicache_host_memory_mode", "cache") == "buffer_only",
-     "--enable-histate needs --hicache-host-memory-mode cache: HiState keeps reusable KV in host "
-     "DRAM, which buffer_only turns into a transient staging buffer."),
+     "--enable-histate needs --hicache-host-memory-mode cache: with buffer_only SGLang keeps no cached "
+     "data in host DRAM (the tree holds no host copies and host eviction frees nothing; sglang "
+     "mem_cache/unified_radix_cache.py:1437-1440), while HiState's host tier keeps reusable KV there and "
+     "lands SSD-restored checkpoints there. Drop --hicache-host-memory-mode buffer_only (--hicache-size "
+     "sets HiState's DRAM budget)."),
     (lambda r: _flag(r, "hicache_write_policy", "write_through") == "write_back",
      "--enable-histate needs a write-through host tier (--hicache-write-policy write_through or "
      "write_through_selective): checkpoints flow device -> host -> SSD as they are created."),
@@ -66,6 +75,14 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], str], ...] = (
      "--enable-histate does not support --mamba-radix-cache-strategy extra_buffer_lazy yet: its "
      "on-demand track slots are not covered by HiState's checkpoint placement and tests. Use "
      "extra_buffer (or auto)."),
+    (lambda r: _eviction_policy(r) != "lru",
+     lambda r: f"--enable-histate cannot be combined with --radix-eviction-policy {_eviction_policy(r)}: HiState's "
+               "ranking is the eviction policy (paper eq. 7, H = t_last + tau * C / M, over KV bundles and "
+               "checkpoints on device, host and SSD), so SGLang's policy would not be applied. Drop "
+               "--radix-eviction-policy; --histate-tau sets how much recompute cost outweighs recency."),
+    (lambda r: _flag(r, "radix_eviction_policy_config") is not None,
+     "--enable-histate cannot be combined with --radix-eviction-policy-config: it tunes SGLang's eviction "
+     "policy, which HiState's ranking (eq. 7) replaces. Drop it; --histate-tau tunes HiState's ranking."),
     (lambda r: _flag(r, "hicache_storage_backend") not in (None, "dynamic"),
      "--enable-histate brings its own SSD backend; drop --hicache-storage-backend "
      "and give --histate-ssd-dir DIR instead."),
@@ -76,7 +93,16 @@ def check_conflicts(raw: Any) -> None:
     """Raise HiStateConfigError naming the first SGLang flag that HiState cannot run with."""
     for predicate, message in _CONFLICTS:
         if predicate(raw):
-            raise HiStateConfigError(message)
+            raise HiStateConfigError(message(raw) if callable(message) else message)
+
+
+def ignored_settings(raw: Any) -> list[str]:
+    """Warnings for SGLang settings HiState accepts but does not apply (logged once at start)."""
+    notes = []
+    if _flag(raw, "_radix_eviction_policy_explicitly_set", False) and _eviction_policy(raw) == "lru":
+        notes.append("--radix-eviction-policy lru is not applied with --enable-histate: HiState's ranking "
+                     "(eq. 7, H = t_last + tau * C / M) is the eviction policy on every tier")
+    return notes
 
 
 def load_extra_config(value: Optional[str]) -> dict:

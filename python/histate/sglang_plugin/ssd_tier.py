@@ -30,6 +30,8 @@ the trajectory holds state) lives on SSD alone. Once its SSD copy is acknowledge
 its device or host copy, `home_historical` (once per step) tombstones both with SGLang's own eviction
 primitives, as the MAMBA walk does for an internal state; a terminal checkpoint keeps its device copy
 until it becomes historical. Candidates are the states that reached SSD or came back to the device.
+A state a live session references (`--enable-session-radix-cache`: its resume point) is homed only once
+the reference goes, as SGLang evicts referenced states last.
 
 Restarts and flushes: objects already in the store when the tier is attached (a restart), and every
 object of a tree SGLang flushed (`flush_cache`), become orphans, so the trim can reclaim them; restores
@@ -314,6 +316,8 @@ class SsdTier:
                 continue
             if not node.sg.children:
                 continue  # still a terminal checkpoint: its device copy serves the next turn
+            if node.sg.component_data[MAMBA].session_ref > 0:
+                continue  # a live session resumes here (--enable-session-radix-cache): kept while referenced
             result = self.cache.retire_state_copies(node.sg)
             if result is None:
                 continue  # held; try again next step
