@@ -124,6 +124,20 @@ def test_after_max_yields_capped_passes_the_long_prefill_runs_one_pass_uncapped(
     assert (_metric(rig, "capped"), _metric(rig, "aged")) == (3, 1)
 
 
+@pytest.mark.parametrize("policy, order", [
+    ("fcfs", ["s0", "s1"]),
+    ("lpm", ["s0", "s1"]),  # no cached prefix on either: the sort keeps arrival order
+    ("shortest-prefill-first", ["s1", "s0"]),  # SGLang's sort by uncached tokens: 100 before 150
+])
+def test_the_queue_order_stays_the_policys(sglang_plugins, policy, order):
+    """Shorts of 150 then 100 tokens arrive: the same cap under every policy (reserved 160 + 112 = 272,
+    chunk 704), admitted in the order the policy sorted the queue."""
+    rig, shorts = _rig(policy=policy), Shorts()
+    rig.run_pass([_long()])
+    batch = rig.run_pass(shorts(150, 100))
+    assert batch[0] == ("long", 960, 1664) and [rid for rid, _, _ in batch[1:]] == order
+
+
 @pytest.mark.parametrize("other, batch", [
     # 740 tokens of work, exactly what the long one has left (1700 - 960): not short, and the rule stops
     # there (y is not reserved). The long prompt finishes (charged 752); the 248 left cut x at 240, on the
@@ -242,30 +256,33 @@ def test_a_cap_under_one_grid_never_empties_or_unaligns_the_chunk(sglang_plugins
     assert rig.run_pass(shorts(500, 460)) == batch
 
 
-def _replay(rig, passes):
-    shorts, trace = Shorts(), [rig.run_pass([_long()])]
+def _replay(rig, passes, long_tokens=LONG):
+    """The long prompt, then two shorts (100, 150) every pass until its prefill ended."""
+    long_req, shorts = _long(long_tokens), Shorts()
+    trace = [rig.run_pass([long_req])]
     for _ in range(passes):
         trace.append(rig.run_pass(shorts(100, 150)))
-        if rig.scheduler.chunked_req is None:
+        if rig.scheduler.chunked_req is not long_req:
             break
     return trace
 
 
 @pytest.mark.parametrize("policy, long_ends", [
-    ("fcfs", [960, 1920, 2880, 3840, 4000]),
-    ("lpm", [960, 1920, 2880, 3840, 4000]),
-    # SGLang's own cap, capped on every pass (no aging): 704 each, then the final 224
-    ("shortest-prefill-first", [960, 1664, 2368, 3072, 3776, 4000]),
+    ("fcfs", [960, 1920, 2880, 3840, 4800, 5000]),
+    ("lpm", [960, 1920, 2880, 3840, 4800, 5000]),
+    # SGLang's own cap, capped on every pass (no aging: with it the 6th pass would run uncapped): 704 each,
+    # then the final 520 (SGLang's limit, 720, is not below it)
+    ("shortest-prefill-first", [960, 1664, 2368, 3072, 3776, 4480, 5000]),
 ])
 def test_flag_off_leaves_sglangs_batches_bit_identical(sglang_plugins, policy, long_ends):
     """The same stream with the flag off, through the installed hook, and through SGLang's original method
     (the hook taken out): the same batches, request for request."""
     from sglang.srt.managers.schedule_policy import SchedulePolicy
 
-    hooked = _replay(_rig(flag=False, policy=policy), 10)
+    hooked = _replay(_rig(flag=False, policy=policy), 10, 5000)
     original = SchedulePolicy.shortest_prefill_chunk_limit.__wrapped__
     with mock.patch.object(SchedulePolicy, "shortest_prefill_chunk_limit", original):
-        reference = _replay(_rig(flag=False, policy=policy), 10)
+        reference = _replay(_rig(flag=False, policy=policy), 10, 5000)
     assert hooked == reference
     assert [_long_part(batch)[1] for batch in hooked] == long_ends
 
