@@ -72,6 +72,7 @@ def test_launch_server_help_lists_every_histate_flag():
     assert "SSD budget of each rank" in text and "0 = 90 percent of the free space, split between the TP x PP ranks" in text  # --histate-ssd-size, as docs/sglang.md says
     assert "it replaces --radix-eviction-policy (a value other than lru is refused)" in text  # --enable-histate
     assert "This ranking is HiState's eviction policy (it replaces --radix-eviction-policy)" in text  # --histate-tau
+    assert "under shortest-prefill-first it replaces SGLang's unbounded chunk cap" in text  # --histate-short-prefill-first
 
 
 def test_launch_server_bad_flag_is_one_line_and_exit_2():

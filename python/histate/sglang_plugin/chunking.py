@@ -20,7 +20,8 @@ cuts, and captures past an off-grid cut are dropped and counted):
   * `floor_chunked_tokens` (a continuing chunk, via `add_chunked_req`, :1140-1222): floored the same
     way, except that an empty chunk is never returned (SGLang's rule: progress first).
 The rest of the budget stays where SGLang put it, including the room shortest-prefill-first keeps for
-short requests behind a continuing chunk (`shortest_prefill_chunk_limit`, :418-437).
+short requests behind a continuing chunk (`shortest_prefill_chunk_limit`, :418-437, or HiState's bounded
+version with `--histate-short-prefill-first`, short_prefill.py, which never caps a chunk below one grid).
 """
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 # Defaults and the state grid have one home, histate.core.config (read by the CLI, ReplayConfig and here).
-from histate.core import DEFAULT_INTERVALS_TOKENS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S, STATE_GRID_TOKENS, Tier
+from histate.core import (DEFAULT_INTERVALS_TOKENS, DEFAULT_MAX_YIELDS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S,
+                          STATE_GRID_TOKENS, Tier)
 
 CONFIG_ATTR = "_histate_config"
 """Name of the underscore bookkeeping attribute on ServerArgs (pickled with the record)."""
@@ -185,6 +186,14 @@ def _parse_count(text: Any, *, option: str) -> int:
     return value
 
 
+def _parse_positive_count(text: Any, *, option: str) -> int:
+    value = _parse_count(text, option=option)
+    if value < 1:
+        raise HiStateConfigError(f"{option}: must be >= 1 (0 would never let a short prefill go first; "
+                                 f"leave --histate-short-prefill-first off instead), got {value}")
+    return value
+
+
 def parse_restore_costs(text: Any, *, option: str) -> tuple[float, float]:
     """'0.0134,0.186' (or two CLI values) -> (host, SSD) restore costs in recompute-tokens per KV token."""
     items = text if isinstance(text, (list, tuple)) else re.split(r"[,\s]+", str(text).strip())
@@ -265,6 +274,19 @@ OPTIONS: tuple[Option, ...] = (
            help="Eq. 7's charge for a unit moved down a tier instead of dropped: restoring one token of "
                 "KV from host DRAM and from SSD, in tokens of prefill (e.g. 0.0134 0.186, the default: "
                 "Qwen3.5-9B on an H100). Restore seconds per KV token / prefill seconds per token."),
+    Option("short_prefill_first", "--histate-short-prefill-first", "HISTATE_SHORT_PREFILL_FIRST", _parse_bool,
+           is_switch=True,
+           help="While a long prompt is prefilled chunk by chunk, let waiting short prefills (work after "
+                "HiState's match across device, host and SSD, plus restore cost) take their tokens of the "
+                "pass first and the long one the rest, with aging: the long one yields on at most "
+                "--histate-short-prefill-max-yields passes in a row, then runs one pass uncapped. Works with "
+                "every --schedule-policy (the queue order stays the policy's); under shortest-prefill-first "
+                "it replaces SGLang's unbounded chunk cap (shortest_prefill_chunk_limit)."),
+    Option("short_prefill_max_yields", "--histate-short-prefill-max-yields", "HISTATE_SHORT_PREFILL_MAX_YIELDS",
+           _parse_positive_count, metavar="N",
+           help=f"With --histate-short-prefill-first: passes in a row a long prefill may give to short "
+                f"ones before it runs one pass uncapped (default {DEFAULT_MAX_YIELDS}); its own prefill then "
+                f"takes at most N+1 times its unshared number of passes."),
 )
 OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS}
 
@@ -283,6 +305,8 @@ class HiStateConfig:
     ssd_backend: str = "auto"
     chunk_align: str = "grid"
     restore_costs: tuple[float, float] = (DEFAULT_RESTORE_COST_TOKENS[Tier.CPU], DEFAULT_RESTORE_COST_TOKENS[Tier.SSD])
+    short_prefill_first: bool = False
+    short_prefill_max_yields: int = DEFAULT_MAX_YIELDS
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     """field -> 'cli' | 'env' | 'default': where each value came from (for logs and errors)."""
 
@@ -337,9 +361,11 @@ def resolve_config(
         else:
             sources[opt.field] = "default"
     config = HiStateConfig(**values, sources=sources)
-    given = [opt.flag for opt in OPTIONS if sources[opt.field] == "cli" and not opt.is_switch]
+    given = [opt.flag for opt in OPTIONS if sources[opt.field] == "cli" and opt.field != "enable"]
     if given and not config.enable:
         raise HiStateConfigError(f"{given[0]} needs --enable-histate (HiState is off)")
+    if sources["short_prefill_max_yields"] == "cli" and not config.short_prefill_first:
+        raise HiStateConfigError("--histate-short-prefill-max-yields needs --histate-short-prefill-first")
     if config.ssd_size_bytes and not config.ssd_dirs:
         raise HiStateConfigError("--histate-ssd-size needs --histate-ssd-dir (no SSD directory given)")
     return config

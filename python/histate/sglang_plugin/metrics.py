@@ -14,6 +14,9 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
   sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
   sglang:histate_prefill_chunk_cuts_total{kind} chunked-prefill cuts floored to the state grid
+  sglang:histate_short_prefill_passes_total{result} passes of a long chunked prefill under
+                                                --histate-short-prefill-first: capped (short ones went first)
+                                                | aged (ran uncapped: it had yielded max-yields passes in a row)
   sglang:histate_captures_total{result}         planned checkpoints of prefill passes: tracked | extra |
                                                 off_grid | no_slot (the last two dropped)
   sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
@@ -75,6 +78,9 @@ class HiStateMetrics:
         counter("ssd_written_bytes_total", "Bytes written to HiState's SSD tier.")
         counter("prefill_chunk_cuts_total", "Chunked-prefill cuts floored to the state grid so the next pass "
                 "captures its planned checkpoints (no pass is added).", ("kind",))
+        counter("short_prefill_passes_total", "Passes of a long chunked prefill under short-prefill-first: "
+                "'capped' (waiting short prefills went first), 'aged' (ran uncapped after max-yields capped "
+                "passes in a row).", ("result",))
         counter("captures_total", "Planned checkpoints of prefill passes: 'tracked' (SGLang's track slot), "
                 "'extra' (a slot of their own, same pass), 'off_grid' / 'no_slot' (dropped).", ("result",))
         counter("checkpoints_homed_total", "Device or host copies of historical checkpoints dropped once "
@@ -115,6 +121,9 @@ class HiStateMetrics:
 
     def record_chunk_cut(self, kind: str) -> None:
         self._inc("prefill_chunk_cuts_total", 1, kind=kind)
+
+    def record_short_prefill_pass(self, result: str) -> None:
+        self._inc("short_prefill_passes_total", 1, result=result)
 
     def record_captures(self, result: str, count: int) -> None:
         if count:

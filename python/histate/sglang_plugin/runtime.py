@@ -26,6 +26,38 @@ from .eviction import TierVictims, frees_state
 from .metrics import HiStateMetrics
 
 
+REUSE_ATTR = "_hs_reuse"
+"""Underscore attribute on SGLang's `Req`: the `MatchedReuse` of its latest match (set by `on_match`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MatchedReuse:
+    """What a request's match reuses by HiState's hit accounting (the core's `MatchResult`): `reused_tokens`
+    is the end of the deepest checkpoint on the matched path in any tier (an SSD-only one included: it is
+    restored before admission); `kv_tokens_by_tier` splits [0, reused_tokens) by the fastest tier holding
+    each node's KV (the core's `kv_bytes_by_tier`, in tokens). Read by the short-prefill-first rule
+    (short_prefill.py) without matching again."""
+
+    reused_tokens: int = 0
+    kv_tokens_by_tier: Any = dataclasses.field(default_factory=dict)
+
+
+def matched_reuse(path: list, ckpt_node: Optional[CoreNode]) -> MatchedReuse:
+    if ckpt_node is None:
+        return MatchedReuse()
+    by_tier: dict = {}
+    start = 0
+    for node in path:
+        mask = node.kv_mask
+        if mask:
+            tier = Tier((mask & -mask).bit_length() - 1)
+            by_tier[tier] = by_tier.get(tier, 0) + node.depth_pages - start
+        start = node.depth_pages
+        if node is ckpt_node:
+            break
+    return MatchedReuse(ckpt_node.depth_pages, by_tier)
+
+
 class HiStateRuntime:
     def __init__(self, config: HiStateConfig, *, grid_tokens: int, kv_bytes_per_token: int,
                  checkpoint_bytes: int, device_bytes: int, clock: Callable[[], float], policy: Any = None,
@@ -105,6 +137,8 @@ class HiStateRuntime:
         path.reverse()
         ckpt_node = next((n for n in reversed(path) if n.ckpt_mask), None)
         self.state.refresh(path, path, ckpt_node, now_s)
+        if req is not None:
+            setattr(req, REUSE_ATTR, matched_reuse(path, ckpt_node))
         if req is not None and not getattr(req, "_hs_observed", False):
             req._hs_observed = True  # a retried admission is not evidence twice
             diverged_in = path[-1] if path else None

@@ -331,8 +331,10 @@ def histate_cache_factory(ctx: Any) -> Any:
     from .capture import install_scheduler_hooks
     from .capture_forward import install_forward_hooks
     from .chunking import install_chunk_planning
+    from .short_prefill import install_short_prefill_first
 
     install_chunk_planning()
+    install_short_prefill_first()
     install_scheduler_hooks()
     install_forward_hooks()
     with histate_build_scope(config):
