@@ -58,3 +58,12 @@ def test_work_counts_restores_below_the_gpu_in_recompute_tokens():
     assert prefill_work_tokens(64, {Tier.CPU: 1000, Tier.SSD: 2000}) == pytest.approx(64 + 13.4 + 372)
     assert prefill_work_tokens(0) == 1  # a full hit still computes its last token
     assert prefill_work_tokens(10, {Tier.GPU: 10_000}) == 10
+
+
+def test_min_tokens_keeps_a_cap_the_grid_floor_cannot_empty():
+    # pages of 1: shorts of 100 and 150 leave 1000 - 250 = 750; a 16-token budget left would be raised to
+    # one 64-token grid, and a long request with no more than that left is not capped at all.
+    assert RULE.chunk_limit(5000, [100, 150], 1000, 1, 0, min_tokens=64) == 750
+    assert RULE.chunk_limit(5000, [500, 484], 1000, 1, 0) == 16
+    assert RULE.chunk_limit(5000, [500, 484], 1000, 1, 0, min_tokens=64) == 64
+    assert RULE.chunk_limit(64, [30], 100, 1, 0, min_tokens=64) is None

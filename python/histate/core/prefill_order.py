@@ -68,13 +68,15 @@ class ShortPrefillFirst:
             raise ValueError(f"short_max_tokens must be >= 1, got {self.short_max_tokens}")
 
     def chunk_limit(self, remaining_tokens: int, waiting_work_tokens: Iterable[float], budget_tokens: int,
-                    page_tokens: int, yields_in_row: int) -> Optional[int]:
+                    page_tokens: int, yields_in_row: int, min_tokens: Optional[int] = None) -> Optional[int]:
         """Tokens the continuing chunk may take this pass, or None when it is not capped (nothing short
         waits, it ages out, or what is left of it fits beside the short ones anyway).
 
         `remaining_tokens`: what the long prefill still has to compute; `waiting_work_tokens`: the
         work of the requests waiting behind it, in the order they will be admitted;
-        `yields_in_row`: passes in a row it has been capped so far (see `next_yields`)."""
+        `yields_in_row`: passes in a row it has been capped so far (see `next_yields`); `min_tokens`:
+        the least a capped chunk keeps (HiState's grid alignment floors a chunk to the 64-token state
+        grid, so a cap under one grid would floor to nothing)."""
         if page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
         if yields_in_row >= self.max_yields or budget_tokens < 2 * page_tokens:
@@ -89,6 +91,8 @@ class ShortPrefillFirst:
                 break
             reserved += charge
         limit = (budget_tokens - reserved) // page_tokens * page_tokens
+        if min_tokens is not None:
+            limit = max(limit, min_tokens)
         return limit if reserved and limit < remaining_tokens else None
 
     @staticmethod

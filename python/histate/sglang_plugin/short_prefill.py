@@ -28,11 +28,12 @@ the policy's (SGLang's sort by uncached tokens). Flag off, or another tree cache
 * Aging: the count of capped passes in a row lives on the chunked `Req` (`YIELDS_ATTR`), advanced
   with `ShortPrefillFirst.next_yields` on every call. It clears itself: the chunk that finishes a
   prefill always runs uncapped (a capped chunk is shorter than what remains), which resets it to 0.
-* Grid alignment (`--histate-chunk-align grid`, chunking.py): the rule charges the reservation in whole
-  state grids instead of SGLang pages (as the simulator's SGLang engine does, so both cap the same
-  chunks) and so leaves the long request at least one grid; `floor_chunked_tokens` then floors the
-  capped chunk to the grid (a short request that no longer fits waits, since chunking.py never cuts a
-  new request next to a continuing one).
+* Grid alignment (`--histate-chunk-align grid`, chunking.py): the capped chunk is floored to the state
+  grid by `floor_chunked_tokens`; a limit under one grid would leave nothing to floor to, so the rule
+  keeps at least one grid (`min_tokens`; the long request keeps one grid instead of one page; a short
+  request that no longer fits waits, since chunking.py never cuts a new request next to a continuing
+  one). The simulator's SGLang engine calls the rule with the same arguments (SGLang's page of one
+  token on H100/H200, the 64-token grid as `min_tokens`), so both cap the same chunks.
 
 Deterministic: the queue, the tree and each request's count are the same on every TP rank, and so
 are the matches (the tree is; time comes from the agreed clock).
@@ -93,12 +94,8 @@ def histate_chunk_limit(cache: Any, chunked_req: Any, works: Iterable[float], bu
     rule = ShortPrefillFirst(max_yields=config.short_prefill_max_yields)
     remaining = len(chunked_req.full_untruncated_fill_ids) - chunked_req.prefix_len
     yields = getattr(chunked_req, YIELDS_ATTR, 0)
-    # Under grid alignment the reservation is charged in whole grids, as the simulator's SGLang engine
-    # charges it (sim/engine.py: its pages are the grid), so both cap the same chunks; the rule then
-    # leaves the long request at least one grid, which the floor keeps (a cap under one grid would floor
-    # to nothing).
-    unit = runtime.grid_tokens if config.chunk_align == "grid" else page_size
-    limit = rule.chunk_limit(remaining, works, budget, unit, yields)
+    min_tokens = runtime.grid_tokens if config.chunk_align == "grid" else None  # a cap the floor keeps
+    limit = rule.chunk_limit(remaining, works, budget, page_size, yields, min_tokens=min_tokens)
     setattr(chunked_req, YIELDS_ATTR, rule.next_yields(yields, limit is not None))
     if limit is not None:
         runtime.metrics.record_short_prefill_pass("capped")

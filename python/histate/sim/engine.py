@@ -74,6 +74,9 @@ from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, Prefil
 
 
 CHUNK_RULES = ("none", "vllm", "grid")
+SGLANG_PAGE_TOKENS = 1
+"""SGLang's `--page-size` for Qwen3.5 off SM100 (arg_groups/model_overrides/qwen3_5.py): the page the
+short-prefill-first reservation is charged in, as the plugin charges it on H100/H200."""
 
 
 @dataclass(frozen=True)
@@ -557,7 +560,8 @@ class Engine:
         kv_bytes = self.model.kv_bytes_per_token
         works = [prefill_work_tokens(a.remaining, {t: b / kv_bytes for t, b in a.req.kv_restore_bytes_by_tier.items()})
                  for a in list(self._prefill)[1:]]
-        limit = rule.chunk_limit(head.remaining, works, budget, self.config.block_num_tokens, head.yields)
+        grid = self.config.block_num_tokens if self.config.chunk_rule == "grid" else None
+        limit = rule.chunk_limit(head.remaining, works, budget, SGLANG_PAGE_TOKENS, head.yields, min_tokens=grid)
         head.yields = rule.next_yields(head.yields, limit is not None)
         return limit
 
