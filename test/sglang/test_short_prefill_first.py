@@ -326,6 +326,39 @@ def test_two_ranks_interleaved_take_the_same_decisions(sglang_plugins):
         (0, 960), (960, 1664), (1664, 2368), (2368, 3328), (3328, 3776), (3776, 4000)]
 
 
+def _simulated_long_parts(num_short_passes: int) -> list:
+    """The simulator's SGLang engine (sim/engine.py) on the stream of the test above: the long prompt
+    alone, then two shorts (100, 150) arriving as each pass starts, HiState's grid rule, the rig's page."""
+    from histate.core import ShortPrefillFirst
+    from histate.sim.costs import H100_SXM, QWEN35_9B
+    from histate.sim.engine import Engine, EngineConfig, EngineRequest
+
+    config = EngineConfig(token_budget_per_step=BUDGET, mixed_batches=False, chunk_rule="grid", block_num_tokens=GRID,
+                          page_tokens=PAGE, short_prefill_first=ShortPrefillFirst(max_yields=2))
+    eng = Engine(QWEN35_9B, H100_SXM, config)
+    timing = eng.submit(EngineRequest("long", LONG, LONG, 1), 0.0)
+    for k in range(num_short_passes + 1):
+        start = eng.next_event_time()
+        eng.advance_until(start)
+        if k:
+            for n, name in ((100, f"s{2 * k}"), (150, f"s{2 * k + 1}")):
+                eng.submit(EngineRequest(name, n, n, 1), start)
+        eng.advance_until(start + 1e-9)  # runs the pass that starts now, shorts included
+    ends = timing.step_end_tokens
+    return list(zip([0] + ends, ends))
+
+
+def test_the_simulator_caps_the_same_chunks_on_the_same_stream(sglang_plugins):
+    """One HiState: the plugin's passes (the real scheduler loop) and the simulator's SGLang engine cut the
+    long prompt at the same places when short prompts keep arriving."""
+    rig, shorts = _rig(max_yields=2), Shorts()
+    plugin = [_long_part(rig.run_pass([_long()]))]
+    for _ in range(5):
+        plugin.append(_long_part(rig.run_pass(shorts(100, 150))))
+    assert plugin == [(0, 960), (960, 1664), (1664, 2368), (2368, 3328), (3328, 3776), (3776, 4000)]
+    assert _simulated_long_parts(5) == plugin
+
+
 # --- flags ------------------------------------------------------------------------------------------
 
 

@@ -32,8 +32,9 @@ the policy's (SGLang's sort by uncached tokens). Flag off, or another tree cache
   grid by `floor_chunked_tokens`; a limit under one grid would leave nothing to floor to, so the rule
   keeps at least one grid (`min_tokens`; the long request keeps one grid instead of one page; a short
   request that no longer fits waits, since chunking.py never cuts a new request next to a continuing
-  one). The simulator's SGLang engine calls the rule with the same arguments (SGLang's page of one
-  token on H100/H200, the 64-token grid as `min_tokens`), so both cap the same chunks.
+  one). The simulator's SGLang engine calls the rule with the same arguments (`EngineConfig.page_tokens`:
+  SGLang's page, one token for Qwen3.5 on H100/H200; the 64-token grid as `min_tokens`), so both cap the
+  same chunks (test_short_prefill_first.py checks it on one stream).
 
 Deterministic: the queue, the tree and each request's count are the same on every TP rank, and so
 are the matches (the tree is; time comes from the agreed clock).

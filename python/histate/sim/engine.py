@@ -74,9 +74,6 @@ from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, Prefil
 
 
 CHUNK_RULES = ("none", "vllm", "grid")
-SGLANG_PAGE_TOKENS = 1
-"""SGLang's `--page-size` for Qwen3.5 off SM100 (arg_groups/model_overrides/qwen3_5.py): the page the
-short-prefill-first reservation is charged in, as the plugin charges it on H100/H200."""
 
 
 @dataclass(frozen=True)
@@ -89,13 +86,14 @@ class EngineConfig:
     block_num_tokens: int = 1             # the "vllm" rule's block; the "grid" rule's grid
     short_prefill_first: Optional[ShortPrefillFirst] = None  # cap a continuing chunk for short prefills (docstring)
     long_prefill_token_threshold: int = 0  # vLLM: at most this many tokens per request per step (0: off; docstring)
+    page_tokens: int = 1                  # SGLang's --page-size (1 for Qwen3.5 off SM100): charges short_prefill_first
     caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
     #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
     #   prompts come from the trace's hash ids), so nothing past the prompt can be reused there
 
     def __post_init__(self) -> None:
         if (self.token_budget_per_step < 1 or self.max_running_requests < 1 or self.io_unit_bytes < 1
-                or self.block_num_tokens < 1 or self.long_prefill_token_threshold < 0):
+                or self.block_num_tokens < 1 or self.long_prefill_token_threshold < 0 or self.page_tokens < 1):
             raise ValueError(f"EngineConfig values must be positive: {self}")
         if self.chunk_rule not in CHUNK_RULES:
             raise ValueError(f"EngineConfig.chunk_rule {self.chunk_rule!r} not in {CHUNK_RULES}")
@@ -561,7 +559,7 @@ class Engine:
         works = [prefill_work_tokens(a.remaining, {t: b / kv_bytes for t, b in a.req.kv_restore_bytes_by_tier.items()})
                  for a in list(self._prefill)[1:]]
         grid = self.config.block_num_tokens if self.config.chunk_rule == "grid" else None
-        limit = rule.chunk_limit(head.remaining, works, budget, SGLANG_PAGE_TOKENS, head.yields, min_tokens=grid)
+        limit = rule.chunk_limit(head.remaining, works, budget, self.config.page_tokens, head.yields, min_tokens=grid)
         head.yields = rule.next_yields(head.yields, limit is not None)
         return limit
 
