@@ -3,9 +3,10 @@ and p99 <= 5 s, per policy, on the rows of the robustness table.
 
 For each (row, seed) the workload is loaded once and every policy's live-session limit is searched
 (`histate.sim.capacity.find_capacity`: geometric growth from --start, then bisection). A policy name
-with the suffix `+spf` runs with the short-prefill-first chunk cap (`--short-prefill-first`, the
-plugin's `--histate-short-prefill-first`) on the policies SGLang's scheduler serves; vLLM-served
-policies have no such cap and are left as they are. Every probe is appended to probes.jsonl, so an
+with the suffix `+sched` runs with --sched-args: by default each engine's own way of sharing a step
+with a long prefill, SGLang's short-prefill-first cap with aging (`--short-prefill-first`, the
+plugin's `--histate-short-prefill-first`) and vLLM's `--long-prefill-token-threshold`; each reaches
+only the policies its engine serves (sim/admission.py). Every probe is appended to probes.jsonl, so an
 interrupted run resumes where it stopped. Writes table.md, results.json and capacity.png (p95 TTFT
 against live sessions, one panel per row, seed 0) under --out. All numbers are simulated.
 
@@ -26,8 +27,10 @@ from robustness import BASE, ROWS, TRACE
 from histate.sim.capacity import DEFAULT_TARGETS, find_capacity
 
 P95_ONLY = {"ttft_p95_s": DEFAULT_TARGETS["ttft_p95_s"]}
-POLICIES = ("histate", "histate+spf", "unlimited", "unlimited+spf", "vllm-disk", "sglang-hicache")
-SPF = "+spf"
+POLICIES = ("histate", "histate+sched", "unlimited", "unlimited+sched", "vllm-disk", "vllm-disk+sched",
+            "sglang-hicache")
+SCHED = "+sched"
+SCHED_ARGS = "--short-prefill-first 4 --long-prefill-token-threshold 2048"
 
 
 def replay_argv(row: str, seed: int) -> list:
@@ -50,21 +53,21 @@ def load_probes(path: Path) -> dict:
     return known
 
 
-def search_row(row: str, seed: int, policies: list, known: dict, probes_path: str, start: int) -> dict:
+def search_row(row: str, seed: int, policies: list, known: dict, probes_path: str, start: int, sched_args: str) -> dict:
     """Every policy's capacity on one (row, seed); runs in a worker process."""
-    from histate.cli import build_parser, plan_replay
-    from histate.core import ShortPrefillFirst
+    from histate.cli import build_config, build_parser, plan_replay, resolve_workload_settings
     from histate.sim.metrics import summarize
     from histate.sim.replay import replay_policies
 
     args = build_parser().parse_args(replay_argv(row, seed))
-    _, workload, config, _, _ = plan_replay(args)
+    _, workload, config, admitted, _ = plan_replay(args)
+    ceiling = len(admitted)  # beyond every session at once a higher limit changes nothing
+    sched = build_parser().parse_args(replay_argv(row, seed) + sched_args.split())
+    sched_config = build_config(sched, resolve_workload_settings(sched, sched.model), workload.page_num_tokens)
     out = {}
     for spec in policies:
-        name = spec.removesuffix(SPF)
-        base = config
-        if spec.endswith(SPF):
-            base = replace(config, engine=replace(config.engine, short_prefill_first=ShortPrefillFirst()))
+        name = spec.removesuffix(SCHED)
+        base = sched_config if spec.endswith(SCHED) else config
 
         def measure(limit: int) -> dict:
             run = replay_policies(workload, [name], replace(base, max_live_sessions=limit), progress=False)[name]
@@ -74,8 +77,9 @@ def search_row(row: str, seed: int, policies: list, known: dict, probes_path: st
                 f.write(json.dumps({"row": row, "seed": seed, "policy": spec, "limit": limit, "metrics": metrics}) + "\n")
             return metrics
 
-        both = find_capacity(measure, DEFAULT_TARGETS, start=start, known=known.get((row, seed, spec)))
-        p95 = find_capacity(measure, P95_ONLY, start=start, known=both.probes)
+        both = find_capacity(measure, DEFAULT_TARGETS, start=min(start, ceiling), max_sessions=ceiling,
+                             known=known.get((row, seed, spec)))
+        p95 = find_capacity(measure, P95_ONLY, start=min(start, ceiling), max_sessions=ceiling, known=both.probes)
         out[spec] = {"capacity": both.capacity, "capped": both.capped, "non_monotone": both.non_monotone(DEFAULT_TARGETS),
                      "capacity_p95": p95.capacity, "capped_p95": p95.capped,
                      "non_monotone_p95": p95.non_monotone(P95_ONLY),
@@ -84,10 +88,11 @@ def search_row(row: str, seed: int, policies: list, known: dict, probes_path: st
     return out
 
 
-def markdown(results: dict, seeds: list, policies: list) -> str:
-    lines = [f"Simulated. Live sessions one GPU sustains; median over seeds {seeds} [min, max]; `+spf`: "
-             "short-prefill-first chunk cap on SGLang-served policies; `*`: a probe below the capacity failed "
-             "(latency not monotone in load); `+`: the search's upper limit passed."]
+def markdown(results: dict, seeds: list, policies: list, sched_args: str) -> str:
+    lines = [f"Simulated. Live sessions one GPU sustains; median over seeds {seeds} [min, max]; `+sched`: "
+             f"with each engine's step-sharing option (`{sched_args}`); `*`: a probe below the capacity failed "
+             "(latency not monotone in load); `+`: every session of the workload at once passes (the capacity is at "
+             "least that)."]
     for key, what in (("capacity", f"p95 TTFT <= {DEFAULT_TARGETS['ttft_p95_s']:g} s and p99 <= "
                                    f"{DEFAULT_TARGETS['ttft_p99_s']:g} s"),
                       ("capacity_p95", f"p95 TTFT <= {DEFAULT_TARGETS['ttft_p95_s']:g} s alone")):
@@ -143,6 +148,7 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES))
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--start", type=int, default=20, help="first live-session limit probed (20)")
+    ap.add_argument("--sched-args", default=SCHED_ARGS, help=f"replay flags of the +sched policies ({SCHED_ARGS!r})")
     ap.add_argument("--out", type=Path, default=Path("out/capacity"))
     a = ap.parse_args()
     rows = [r for r in a.rows if not ROWS[r][1] or TRACE.exists()]
@@ -153,12 +159,12 @@ def main() -> int:
     known = load_probes(probes_path)
     results: dict = {r: {} for r in rows}
     with ProcessPoolExecutor(a.jobs) as pool:
-        futures = {(r, s): pool.submit(search_row, r, s, a.policies, known, str(probes_path), a.start)
+        futures = {(r, s): pool.submit(search_row, r, s, a.policies, known, str(probes_path), a.start, a.sched_args)
                    for r in rows for s in a.seeds}
         for (r, s), fut in futures.items():
             results[r][s] = fut.result()
     (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    table = markdown(results, a.seeds, a.policies)
+    table = markdown(results, a.seeds, a.policies, a.sched_args)
     (a.out / "table.md").write_text(table)
     plot(results, a.policies, a.out / "capacity.png")
     print(table)
