@@ -30,7 +30,7 @@ P95_ONLY = {"ttft_p95_s": DEFAULT_TARGETS["ttft_p95_s"]}
 POLICIES = ("histate", "histate+sched", "unlimited", "unlimited+sched", "vllm-disk", "vllm-disk+sched",
             "sglang-hicache")
 SCHED = "+sched"
-SCHED_ARGS = "--short-prefill-first 4 --long-prefill-token-threshold 2048"
+SCHED_ARGS = "--short-prefill-first 4 --long-prefill-token-threshold 4096"
 
 
 def replay_argv(row: str, seed: int) -> list:
