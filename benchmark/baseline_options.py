@@ -52,7 +52,8 @@ SGLANG = {
     "opt-sgl-slru2-cap8": dict(eviction_strategy="slru", slru_protected_threshold=2, max_states_per_path=8),
     # int8 checkpoints cannot be combined with HiCache nor with unified memory (sglang_tuned.py): the
     # only int8 configuration is device-only with SGLang's static split.
-    "opt-sgl-int8-device": dict(eviction_strategy="lru", tiers=(Tier.GPU,), shared_pool_tiers=(), int8_checkpoints=True),
+    "opt-sgl-int8-device": dict(eviction_strategy="lru", tiers=(Tier.GPU,), shared_pool_tiers=(),
+                                int8_checkpoints=True),
 }
 # --- vllm-current: the prefix-cache retention interval (pages; None = dense) ---------------------------
 VLLM = {

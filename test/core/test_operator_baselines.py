@@ -169,7 +169,8 @@ def test_slru_and_tlru_classes_by_hand():
         session_ref = state_session_ref = 0
 
         def __init__(self, start, depth, history, hits):
-            self.keys, self.depth_pages, self.history_pages, self.hit_count = [0] * (depth - start), depth, history, hits
+            self.keys, self.depth_pages = [0] * (depth - start), depth
+            self.history_pages, self.hit_count = history, hits
 
     slru = with_options(eviction_strategy="slru", slru_protected_threshold=2)
     assert slru.score(ctx, N(35, 40, 40, 2), UnitKind.BUNDLE, GPU_BIT) == 5.0 + 1e7

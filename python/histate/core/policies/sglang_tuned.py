@@ -6,10 +6,10 @@ these options do not change is kept from it (placement of states, insert end, ho
 
 `--enable-unified-memory` (arg_groups/fields/memory.py:78-85): one byte buffer holds full-attention KV
 and Mamba states (mem_cache/unified_memory_pool.py:14-24; the Mamba stack `init_unified_mamba_pools`,
-:1595-1840: `mamba_full_memory_ratio` "governs the total budget only, not the runtime split",
+:1593-1840: `mamba_full_memory_ratio` "governs the total budget only, not the runtime split",
 :1829-1834). So the device tier is one pool (`shared_pool_tiers` has the GPU) and admission sees the
 whole budget for KV (PrefillAdder counts a state as `mamba_slot_full_token_cost` tokens,
-mem_cache/allocator/unified_mamba.py:175-186). Under it, a KV allocation evicts FULL leaves only, and
+mem_cache/allocator/unified_mamba.py:179-190). Under it, a KV allocation evicts FULL leaves only, and
 a state allocation first evicts FULL KV as the byte donor, Mamba victims only when KV cannot fund it
 (`evict_for_alloc`, mem_cache/unified_radix_cache.py:697-778): device states leave with their node's KV
 (FULL's eviction cascades to MAMBA, unified_cache/unified_tree_core.py:2125-2210), so they rank after
@@ -32,10 +32,10 @@ core/sessions.py. The L3 file store's LRU knows no sessions (storage/file/lru_fi
 mem_cache/utils.py:60-84) orders FULL victims only; the Mamba LRU is not configurable (mamba.py:
 127-149). `lru`: last access; `slru`: (hit_count >= protected_threshold, last access); `tlru`: a node
 whose parent's cached depth already covers the branch's high-water depth + next_prompt_estimate -
-threshold tokens is "TEL-safe" and goes first, then LRU (evict_policy.py:49-84; depths kept at insert
-and split, unified_tree_core.py:191-210, 1474-1485); `priority`: (request priority, last access) is
-LRU here, the traces carry no priorities. `hit_count` counts the inserts that walked a node
-(unified_tree_core.py:1104-1123, 1368-1374).
+threshold tokens is "TEL-safe" and goes first, then LRU (evict_policy.py: tlru 49-82, slru 84-100;
+depths kept at insert and split, unified_tree_core.py:191-210, 1474-1485); `priority`: (request
+priority, last access) is LRU here, the traces carry no priorities. `hit_count` counts the inserts
+that walked a node (unified_tree_core.py:1104-1123, 1368-1374).
 
 `--mamba-max-states-per-path N` (fields/exec_.py:497-503): after every insert the shallowest device
 states of the path beyond N lose their device copy, KV and host copy kept; the tail, forks, device
@@ -87,8 +87,8 @@ class SglangTuned(SglangHiCache):
     session_refs = True
     kv_eviction_takes_state = True
     eviction_strategy = "slru"
-    slru_protected_threshold = 2  # evict_policy.py:87 default
-    tlru_threshold_tokens = 0  # evict_policy.py:67 defaults (0, 0): then tlru equals lru
+    slru_protected_threshold = 2  # evict_policy.py:85 default
+    tlru_threshold_tokens = 0  # evict_policy.py:65 defaults (0, 0): then tlru equals lru
     tlru_next_prompt_tokens = 0
 
     def __init__(self) -> None:
