@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / ".." / "shared" / "traces" / "cc-traces-weka-042026" / "traces.jsonl.gz"
 POLICIES = ("histate", "histate-exclusive", "histate-paper", "histate-align", "histate-fixed32", "histate-lru-disk",
             "vllm-marconi",
-            "vllm-cpu", "vllm-disk", "sglang-hicache", "marconi", "unlimited")
+            "vllm-cpu", "vllm-disk", "sglang-hicache", "sglang-tuned", "vllm-current", "vllm-current-cpu", "marconi",
+            "unlimited")
 BASE = {"--preset": "paper-native", "--gpu-gib": "45", "--cpu-gib": "96", "--ssd-gib": "150"}
 ROWS = {  # name -> (flags replacing the base's, needs the trace)
     "base": ({}, True),

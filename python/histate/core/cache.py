@@ -23,9 +23,11 @@ from .observer import CacheObserver
 from .placement import Placement, TierPlan
 from .policies import Policy, make_policy
 from .policy_state import PolicyState
+from .sessions import SessionRefs
 from .stats import CacheStats
 from .tree import Node, RadixTree
 from .types import GPU_BIT, HiStateError, ItemKind, MatchResult, Tier, TierOp, fastest_tier
+from .units import is_tier_leaf
 
 
 @dataclass
@@ -53,7 +55,8 @@ class HybridPrefixCache:
                                             policy.shared_pool_tiers)
         else:
             self.ledger = Ledger(capacity)
-        self._block_pages = config.block_pages if policy.block_granular else 1
+        # vLLM's partial-block hits (#46384) keep block-sized allocation but hit at the page (hash unit)
+        self._block_pages = config.block_pages if policy.block_granular and not policy.partial_block_hits else 1
         self.tree = RadixTree()
         self.stats = CacheStats()
         plan = TierPlan.of_ledger(policy, self.ledger)
@@ -61,6 +64,10 @@ class HybridPrefixCache:
         self.book = ItemBook(config, self.ledger, self.stats, self._on_put, self._on_item_gone)
         self.evictor = Evictor(self.tree, self.book, self.state, plan)
         self.placement = Placement(self.book, self.evictor, plan)
+        self.sessions: Optional[SessionRefs] = None
+        if policy.session_refs:  # SGLang --enable-session-radix-cache (sessions.py)
+            self.sessions = SessionRefs(self.tree.root, self.evictor.touch)
+            self.evictor.sessions = self.sessions
         self.num_open_leases = 0
         self.last_now_s = 0.0  # the latest time a caller passed in (injected clock, never wall time)
         self._observer: Optional[CacheObserver] = None
@@ -189,13 +196,15 @@ class HybridPrefixCache:
                                tuple(step_end_pages), output_end_pages)
 
     def finish_request(self, lease: RequestLease, page_keys: Optional[Sequence], now_s: float,
-                       checkpoint_pages: Sequence[int] = ()) -> "InsertResult":
+                       checkpoint_pages: Sequence[int] = (), session_id=None) -> "InsertResult":
         """Insert the request's pages and checkpoints, then release its pins.
 
         `page_keys` may run past the prompt (its output pages). Block-granular policies keep whole
         blocks and states on the block grid only; `kv_ends_at_last_state` policies insert KV only up
-        to the deepest new state (docs/policies.md).
-        Mutates: tree structure, tier masks, ledger, lock counts, the residence-time EMAs (evictions).
+        to the deepest new state (docs/policies.md). `session_id`: the client session the request
+        belongs to (`Policy.session_refs` policies tag the inserted path with it; others ignore it).
+        Mutates: tree structure, tier masks, ledger, lock counts, the residence-time EMAs (evictions),
+        session references.
         """
         if not lease.is_open:
             raise HiStateError("finish_request on a lease that was already finished or aborted")
@@ -220,9 +229,46 @@ class HybridPrefixCache:
                 node = self._node_ending_at(path, depth, now_s)
                 num_ckpts += self._add_checkpoint(node, now_s, is_terminal=depth == len(keys))
         self._close(lease)
+        tail = path[-1] if path else None
+        if self.sessions is not None:
+            self.sessions.register(session_id, tail)
+        if self.policy.max_states_per_path >= 0 and tail is not None:
+            self._cap_path_states(tail, now_s)
         written = {t: b - written_before.get(t, 0) for t, b in self.stats.bytes_written_by_tier.items()
                    if b != written_before.get(t, 0)}
         return InsertResult(num_new, num_ckpts, written)
+
+    def close_session(self, session_id, now_s: float) -> None:
+        """A client session ended (SGLang's `close_session`): its references go, so its KV and states
+        become ordinary eviction candidates again. No-op for policies without session references."""
+        self.last_now_s = now_s
+        if self.sessions is not None:
+            self.sessions.close(session_id)
+
+    def _cap_path_states(self, tail: Node, now_s: float) -> None:
+        """SGLang's `--mamba-max-states-per-path` (`MambaComponent._evict_excess_path_states`,
+        unified_cache/components/mamba.py:265-320): after an insert, the shallowest device states of
+        the path to `tail` beyond the cap lose their device copy; KV and any host copy stay. The tail,
+        forks (not exactly one child), device leaves and pinned nodes are spared (a soft cap). Runs
+        after the request's own pins are gone; nodes other running requests pin are spared (SGLang
+        spares only the node each one matched: more conservative here)."""
+        cap = self.policy.max_states_per_path
+        holders = []
+        node = tail
+        while node is not None and node.parent is not None:
+            if node.ckpt_mask & GPU_BIT:
+                holders.append(node)
+            node = node.parent
+        excess = len(holders) - cap
+        for node in reversed(holders):  # shallowest first
+            if excess <= 0 or node is tail:
+                break
+            if not node.is_alive or node.lock_count or len(node.children) != 1:
+                continue
+            if node.kv_mask & GPU_BIT and is_tier_leaf(node, GPU_BIT):
+                continue  # a device leaf
+            self.evictor.drop_state_copy(node, Tier.GPU, now_s)
+            excess -= 1
 
     def abort_request(self, lease: RequestLease) -> None:
         self._close(lease)
@@ -337,6 +383,9 @@ class HybridPrefixCache:
         if not self.policy.refresh_matched_only:
             for node in path:
                 node.kv_access_s = now_s
+        if self.policy.tracks_node_stats:
+            for node in path:  # every node the insert walks (unified_tree_core.py:1368-1374)
+                node.hit_count += 1
         parent = path[-1] if path else self.tree.root
         num_new = len(keys) - pos
         if num_new <= 0:
@@ -353,6 +402,8 @@ class HybridPrefixCache:
             return path, 0
         was_leaf_with_state = parent is not self.tree.root and not parent.children and parent.ckpt_mask
         leaf = self.tree.add_child(parent, keys[pos:], now_s)
+        if self.policy.tracks_node_stats:
+            _note_new_leaf(leaf)
         self.book.put(leaf, ItemKind.KV, Tier.GPU, "put")
         self._lock(leaf, +1)
         lease.pinned.append(leaf)
@@ -404,6 +455,17 @@ class InsertResult:
     num_new_pages: int
     num_checkpoints_added: int
     bytes_written_by_tier: dict
+
+
+def _note_new_leaf(leaf: Node) -> None:
+    """A new leaf is hit once (its insert, unified_tree_core.py:1433-1439) and raises the T-LRU history
+    length of every ancestor to its depth (`_set_tlru_lens_and_raise_history`, :191-210)."""
+    leaf.hit_count = 1
+    depth = leaf.depth_pages
+    node = leaf.parent
+    while node is not None and node.parent is not None and node.history_pages < depth:
+        node.history_pages = depth
+        node = node.parent
 
 
 def _depth_of(node: Node) -> int:

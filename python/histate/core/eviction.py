@@ -52,6 +52,8 @@ class Evictor:
         self.partitioned = policy.partitioned
         self.state_evicts_leaf = policy.state_evicts_leaf
         self.scan_victims = policy.scan_victims
+        self.kv_takes_state = policy.kv_eviction_takes_state
+        self.sessions = None  # a sessions.SessionRefs for `Policy.session_refs` policies (set by the cache)
         ledger = book.ledger
         self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
         self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
@@ -139,7 +141,10 @@ class Evictor:
         bit = 1 << tier
         ledger = self.book.ledger
         return (bool(node.kv_mask & bit) and is_tier_leaf(node, bit)
-                and ledger.pool_of(tier, ItemKind.KV) != ledger.pool_of(tier, ItemKind.CHECKPOINT))
+                and ledger.pool_of(tier, ItemKind.KV) != ledger.pool_of(tier, ItemKind.CHECKPOINT)
+                # a session still holding the leaf's KV, not its state, spares the KV (SGLang
+                # `_can_evict_leaf_atomically`, unified_cache/components/base.py:192-202)
+                and not (node.session_ref > 0 and node.state_session_ref == 0))
 
     def evict_unit(self, node: Node, unit: UnitKind, tier: Tier, now_s: float) -> None:
         if self.observer is not None:
@@ -151,7 +156,7 @@ class Evictor:
         if takes_kv:
             outcome = self._evict_copy(node, ItemKind.KV, tier, now_s)
             if (outcome in ("shed", "demote") and node.ckpt_mask & bit
-                    and (unit is UnitKind.CHECKPOINT or not node.children)):
+                    and (unit is UnitKind.CHECKPOINT or not node.children or self.kv_takes_state)):
                 self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
         else:
             outcome = self._evict_copy(node, ItemKind.CHECKPOINT, tier, now_s)
@@ -196,6 +201,17 @@ class Evictor:
         self.state.on_state_gone(node, now_s)
         return "drop"
 
+    def drop_state_copy(self, node: Node, tier: Tier, now_s: float) -> None:
+        """Remove `node`'s state copy from `tier` without moving it anywhere (SGLang's path cap:
+        a device tombstone that keeps KV and any host copy, unified_cache/components/mamba.py:265-320)."""
+        book = self.book
+        others = node.ckpt_mask & ~(1 << tier)
+        book.drop(node, ItemKind.CHECKPOINT, tier)
+        if not others:
+            self.state.on_state_gone(node, now_s)
+        book.stats.on_eviction(UnitKind.CHECKPOINT, tier, "shed" if others else "drop")
+        self.settle(node, checkpoint_gone=not node.ckpt_mask)
+
     # --- removing nodes ----------------------------------------------------------------------------
 
     def remove_node(self, node: Node, now_s: float, merge: bool = True) -> None:
@@ -205,6 +221,8 @@ class Evictor:
         if had_checkpoint:
             self.state.on_state_gone(node, now_s)
         parent, removed_end = node.parent, node.depth_pages
+        if self.sessions is not None:
+            self.sessions.on_leaf_removed(node)
         self.tree.remove_leaf(node)
         if parent.parent is not None:
             self.touch(parent)  # may be a tier leaf now: a new unit
@@ -235,6 +253,9 @@ class Evictor:
         (child,) = node.children.values()
         if child.lock_count or child.kv_mask != node.kv_mask:
             return
+        if node.session_ref != child.session_ref or node.state_session_ref or (
+                self.sessions is not None and self.sessions.is_leaf_of_any(node)):
+            return  # a session leaf keeps its node (sessions.py)
         merged = self.tree.merge_into_child(node)
         self.touch(merged)
 

@@ -22,7 +22,7 @@ def check_invariants(cache) -> None:
     used = {pool: 0 for pool in ledger.capacity_bytes}
     protected = {pool: 0 for pool in ledger.capacity_bytes}
     live_entries = cache.evictor.live_units()
-    block_pages = cache.config.block_pages if policy.block_granular else 1
+    block_pages = cache.config.block_pages if policy.block_granular and not policy.partial_block_hits else 1
     num_nodes = 0
     for node in tree.iter_nodes():
         num_nodes += 1

@@ -17,6 +17,7 @@ class Node:
         "id", "keys", "parent", "children", "depth_pages", "kv_mask", "ckpt_mask",
         "kv_access_s", "ckpt_access_s", "kv_created_s", "ckpt_created_s",
         "lock_count", "version", "is_alive", "is_parked",
+        "session_ref", "state_session_ref", "hit_count", "history_pages",
     )
 
     def __init__(self, node_id: int, keys: list, parent: Optional["Node"], depth_pages: int, now_s: float):
@@ -35,6 +36,12 @@ class Node:
         self.version = 0
         self.is_alive = True
         self.is_parked = False
+        # Read only by policies that model SGLang's session references and eviction strategies
+        # (core/sessions.py, policies/sglang_tuned.py); zero for every other policy.
+        self.session_ref = 0        # live session paths covering this node's KV (SGLang FULL session_ref)
+        self.state_session_ref = 0  # live sessions whose state leaf is this node (SGLang MAMBA session_ref)
+        self.hit_count = 0          # inserts that walked through this node (SGLang `hit_count`)
+        self.history_pages = depth_pages  # deepest depth ever below this node (T-LRU's history length)
 
     @property
     def num_pages(self) -> int:
@@ -101,6 +108,9 @@ class RadixTree:
         head.kv_access_s = node.kv_access_s
         head.kv_created_s = node.kv_created_s
         head.lock_count = node.lock_count  # path locks cover both halves
+        head.session_ref = node.session_ref  # a session covering the tail covers its head (SGLang full.py)
+        head.hit_count = node.hit_count
+        head.history_pages = node.history_pages
         node.parent.children[head.keys[0]] = head
         node.keys = node.keys[num_head_pages:]
         node.parent = head

@@ -66,8 +66,11 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
     name = engine or policy.engine
     if name == "vllm":
         block = vllm_hybrid_blocks(model).block_num_tokens if policy.block_granular else page_num_tokens
+        # vLLM with internal prefill checkpoints (#52789) reads the last boundary's state out of the
+        # final forward instead of forcing a step end there (`Policy.internal_prefill_checkpoints`).
         # short_prefill_first is SGLang's chunk cap (core.prefill_order): vLLM's scheduler has no such cap.
-        return EngineProfile("vllm", replace(base, mixed_batches=True, chunk_rule="vllm", block_num_tokens=block,
+        rule = "vllm-internal" if policy.internal_prefill_checkpoints else "vllm"
+        return EngineProfile("vllm", replace(base, mixed_batches=True, chunk_rule=rule, block_num_tokens=block,
                                              short_prefill_first=None),
                              block, 1, grows=True)
     if name == "sglang":
@@ -139,7 +142,12 @@ class CacheGate(MemoryGate):
         held = self.held.pop(uid)
         request = held.request
         kv_tokens = request.input_num_tokens + max(0, request.output_num_tokens - 1)  # the last token has no KV
-        self._insert(held, request.input_num_tokens, kv_tokens, step_end_tokens, now_s)
+        self._insert(held, request.input_num_tokens, kv_tokens, step_end_tokens, now_s, request.session_id)
+
+    def close_session(self, session_id: Hashable, now_s: float) -> None:
+        """The client session ended (its last request completed): SGLang's `close_session`, which
+        drops the session's references under `--enable-session-radix-cache` (core/sessions.py)."""
+        self.cache.close_session(session_id, now_s)
 
     # --- MemoryGate ----------------------------------------------------------------------------------
     def admit(self, req: EngineRequest, context_num_tokens: int, now_s: float, idle: bool) -> Optional[EngineRequest]:
@@ -250,7 +258,8 @@ class CacheGate(MemoryGate):
         held.kv_bytes = held.state_bytes = 0
         return True
 
-    def _insert(self, held: _Held, prompt_tokens: int, kv_tokens: int, step_end_tokens: list, now_s: float) -> None:
+    def _insert(self, held: _Held, prompt_tokens: int, kv_tokens: int, step_end_tokens: list, now_s: float,
+                session_id: Optional[Hashable] = None) -> None:
         """Give back the request's memory, then offer the cache its first `kv_tokens` tokens of
         prompt + output with the states the engine keeps; the lease closes."""
         cache, P = self.cache, self.page_num_tokens
@@ -272,7 +281,8 @@ class CacheGate(MemoryGate):
         else:
             positions = cache.plan_checkpoints(lease, prompt_pages, _state_pages(lease, step_end_tokens, P),
                                                output_end)
-        cache.finish_request(lease, held.request.keys_through(max(prompt_pages, kv_tokens // P)), now_s, positions)
+        cache.finish_request(lease, held.request.keys_through(max(prompt_pages, kv_tokens // P)), now_s, positions,
+                             session_id)
         self.on_cache_change(now_s)
 
     def _captured(self, held: _Held, lease: RequestLease, prompt_pages: int, step_end_tokens: list,

@@ -188,6 +188,19 @@ class ModelSpec:
         """N_s of paper eq. 4: one checkpoint's size in tokens of KV."""
         return self.checkpoint_size_bytes / self.kv_bytes_per_token
 
+    @property
+    def int8_checkpoint_size_bytes(self) -> int:
+        """One cached state in SGLang's int8 checkpoint pool (`--enable-int8-mamba-checkpoint`,
+        sglang/srt/mem_cache/mamba_checkpoint_pool.py:61-80, 187-230): the SSM state in int8 (one byte
+        per element), a scale per (layer, value head, key channel) in the state's own dtype, the conv
+        window at its native dtype. Qwen3.5-9B with FP32 states: 14.2 MB against 51.5 MB."""
+        arch = self.architecture
+        if arch is None:
+            raise ValueError(f"{self.name}: the int8 checkpoint size needs the model architecture")
+        n_lin, hv, dk = arch.num_linear_layers, arch.linear_num_value_heads, arch.linear_key_head_dim
+        ssm_elements = self.ssm_state_bytes // arch.ssm_dtype_bytes
+        return ssm_elements + n_lin * hv * dk * arch.ssm_dtype_bytes + self.conv_state_bytes
+
 
 QWEN35_9B_ARCH = HybridArchitecture(
     name="qwen3.5-9b", num_layers=32, num_attention_layers=8, hidden_size=4096, vocab_size=248320,

@@ -54,7 +54,9 @@ Model:
   default gate admits everything at once (unbounded memory).
 * Chunk rules (`EngineConfig.chunk_rule`): "vllm" ends every prefill step that is not the last on a
   block boundary and forces a step end at the last block boundary of the prompt (align mode,
-  `Scheduler._mamba_block_aligned_split`); a step too small for one block skips the request. "grid"
+  `Scheduler._mamba_block_aligned_split`); a step too small for one block skips the request.
+  "vllm-internal" is the same without the forced split: the last boundary's state is read out inside
+  the final forward (internal prefill checkpoints, vllm-project/vllm#52789). "grid"
   floors a cut chunk (not the last one) to the block grid unless that empties it (HiState in SGLang:
   `core.capture.floor_cut`, sglang_plugin/chunking.py), so every pass starts on the state grid. The
   engine reports every request's prefill step ends (`RequestTiming.step_end_tokens`): engines that
@@ -73,7 +75,7 @@ from ..core import ShortPrefillFirst, floor_cut, prefill_work_tokens
 from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, PrefillChunk, RooflineStepCost
 
 
-CHUNK_RULES = ("none", "vllm", "grid")
+CHUNK_RULES = ("none", "vllm", "vllm-internal", "grid")
 
 
 @dataclass(frozen=True)
@@ -534,12 +536,12 @@ class Engine:
         n = min(active.remaining, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
-        if self.config.chunk_rule == "vllm":
+        if self.config.chunk_rule in ("vllm", "vllm-internal"):
             block = self.config.block_num_tokens
             last_cache = active.target - active.target % block
             if active.context + n < last_cache:
                 n = n // block * block          # may be 0: the request waits for a bigger budget
-            elif active.context < last_cache < active.context + n:
+            elif active.context < last_cache < active.context + n and self.config.chunk_rule == "vllm":
                 n = last_cache - active.context  # force a step end at the last block boundary
         elif self.config.chunk_rule == "grid" and n < active.remaining:
             n = floor_cut(active.context, active.context + n, self.config.block_num_tokens) - active.context

@@ -107,6 +107,8 @@ class ReplayConfig:
         model's hybrid block as their granularity and a state of whole blocks (costs.vllm_hybrid_blocks)."""
         model = get_model(self.model)
         state_bytes, block_pages = model.checkpoint_size_bytes, 1
+        if policy is not None and policy.int8_checkpoints:
+            state_bytes = model.int8_checkpoint_size_bytes
         if policy is not None and policy.block_granular:
             blocks = vllm_hybrid_blocks(model)
             state_bytes, block_pages = blocks.state_size_bytes, max(1, blocks.block_num_tokens // page_num_tokens)
@@ -218,6 +220,7 @@ class _Replay:
 
     def _session_done(self, run: _SessionRun, t: float) -> None:
         run.is_done = True
+        self.gate.close_session(run.session.session_id, t)  # session-referencing policies only (sessions.py)
         parent_id = run.session.parent_session_id
         if parent_id is not None and parent_id in self.runs and self.runs[parent_id].is_waiting:
             self._schedule_next(self.runs[parent_id], t)

@@ -24,6 +24,6 @@ def available_policies() -> list[str]:
     return list(_REGISTRY)
 
 
-from . import histate, vllm, sglang_hicache, marconi, unlimited  # noqa: E402,F401  (registration)
+from . import histate, vllm, sglang_hicache, marconi, unlimited, sglang_tuned, vllm_current  # noqa: E402,F401  (registration)
 
 __all__ = ["AdmissionContext", "Policy", "available_policies", "make_policy", "register_policy"]

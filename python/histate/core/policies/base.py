@@ -59,6 +59,14 @@ class Policy:
     charges_demotions = False  # eq. 7's C of a demoted unit is its transfer, not its recompute (units.py)
     estimates_residence_by_flow = True  # Little's-law T_KV / T_state before residences are observed
     captures_in_pass = False  # plan at admission; a pass keeps every planned state on its chunk grid (capture.py)
+    # --- mechanisms of the "as a careful operator runs them" baselines (sglang_tuned.py, vllm_current.py) ---
+    session_refs = False  # SGLang --enable-session-radix-cache: finished requests tag their path per session (sessions.py)
+    kv_eviction_takes_state = False  # KV leaving a tier takes the node's state copy there (SGLang's FULL->MAMBA cascade)
+    max_states_per_path = -1  # SGLang --mamba-max-states-per-path: device states kept per path after an insert (-1: all)
+    tracks_node_stats = False  # keep `hit_count` and `history_pages` on nodes (SGLang's slru / lfu / tlru strategies)
+    partial_block_hits = False  # block-granular sizing, but hits and inserts at page granularity (vLLM #46384)
+    internal_prefill_checkpoints = False  # the prompt-end state is read out inside the last forward (vLLM #52789)
+    int8_checkpoints = False  # cached states in SGLang's int8 checkpoint pool (the simulator sizes them, sim/costs.py)
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
         return terminal_only(ctx)
