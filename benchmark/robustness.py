@@ -86,6 +86,19 @@ def aggregate(summaries: list, policies: list) -> dict:
     return out
 
 
+PAIRED = ("ttft_p95_s", "ttft_p99_s", "cohort_ttft_mean_s", "cohort_ttft_p95_s")
+
+
+def paired(summaries: list, policies: list) -> dict:
+    """policy -> metric -> the other policy's value over histate's, seed by seed (> 1: histate faster)."""
+    out = {}
+    for p in policies:
+        if p == "histate":
+            continue
+        out[p] = {m: [per_policy(s, p, m) / per_policy(s, "histate", m) for s in summaries] for m in PAIRED}
+    return out
+
+
 def targets(agg: dict) -> dict:
     finite = [p for p in agg if p != "unlimited"]
     h = agg["histate"]
@@ -129,6 +142,13 @@ def markdown(results: dict, seeds: list) -> str:
                          f"{fmt(cells['ttft_p99_s'], False)} | {fmt(cells['cohort_recovered_fraction'], True)} | "
                          f"{fmt(cells['cohort_ttft_mean_s'], False)} | {fmt(cells['cohort_ttft_p95_s'], False)} | "
                          f"{fmt(cells['long_prefill_ttft_mean_s'], False)} |")
+        pairs = res.get("paired", {})
+        if pairs:
+            lines += ["Paired by seed, the policy's TTFT over histate's (> 1: histate faster), one value per seed:", ""]
+            for p, per_metric in pairs.items():
+                lines.append(f"- {p}: " + "; ".join(
+                    f"{m.removesuffix('_s')} " + ", ".join("-" if v != v else f"{v:.2f}x" for v in vals)
+                    for m, vals in per_metric.items()))
         lines.append("")
     return "\n".join(lines)
 
@@ -184,7 +204,8 @@ def main() -> int:
     results = {}
     for row in rows:
         agg = aggregate([summaries[row, s] for s in args.seeds], policies)
-        results[row] = {"policies": agg, "targets": targets(agg)}
+        results[row] = {"policies": agg, "targets": targets(agg),
+                        "paired": paired([summaries[row, s] for s in args.seeds], policies)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown(results, args.seeds)
