@@ -117,9 +117,11 @@ def test_bench_cli_writes_replays_schema_with_ttft_and_hits(histate_server, tmp_
 
 
 def test_ctrl_c_stops_cleanly_with_partial_results(histate_server, tmp_path):
-    workload = agent_workload(AgentWorkloadConfig(num_sessions=2, num_turns=40, system_prompt_num_tokens=256,
+    # 200 turns with >= 20 ms tool gaps take >= 4 s however fast the server is, so the Ctrl-C at 1.5 s
+    # always lands mid-run (40 turns of 10 ms gaps could finish first on a warm server).
+    workload = agent_workload(AgentWorkloadConfig(num_sessions=2, num_turns=200, system_prompt_num_tokens=256,
                                                   first_input_num_tokens=(300, 400), append_num_tokens=(64, 128),
-                                                  output_num_tokens=(8, 8), tool_gap_s=(0.01, 0.02),
+                                                  output_num_tokens=(8, 8), tool_gap_s=(0.02, 0.04),
                                                   human_gap_probability=0.0, session_start_spread_s=0.01))
     timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
