@@ -123,12 +123,16 @@ def test_ctrl_c_stops_cleanly_with_partial_results(histate_server, tmp_path):
                                                   first_input_num_tokens=(300, 400), append_num_tokens=(64, 128),
                                                   output_num_tokens=(8, 8), tool_gap_s=(0.02, 0.04),
                                                   human_gap_probability=0.0, session_start_spread_s=0.01))
+    # A shell that starts pytest in the background (`cmd &`) hands it SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: install it for this test, as an interactive run has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     try:
         result = run_bench(workload, BenchOptions(histate_server.url, progress=False))
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert result.interrupted
     assert 0 < len(result.run.records) < workload.num_requests
     assert all(not math.isnan(r.completion_s) for r in result.run.records)  # only completed requests
