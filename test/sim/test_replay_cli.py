@@ -312,3 +312,13 @@ def test_short_prefill_first_is_recorded_and_refuses_a_negative_count(tmp_path, 
     settings = strict_json((out_dir / "summary.json").read_text())["settings"]
     assert settings["engine"]["short_prefill_first"] == {"max_yields": DEFAULT_MAX_YIELDS, "short_max_tokens": None}
     assert_refused(["--short-prefill-first", "-1"], capsys, "--short-prefill-first")
+
+
+def test_chunked_prefill_size_sets_every_engines_step_budget(tmp_path, capsys):
+    trace = str(small_trace(tmp_path))
+    out_dir = tmp_path / "cps"
+    rc, _, err = run(["--trace", trace, "--policies", "histate,vllm-disk", "--out", str(out_dir),
+                      "--chunked-prefill-size", "4096", *FAST], capsys)
+    assert rc == 0, err
+    assert strict_json((out_dir / "summary.json").read_text())["settings"]["engine"]["token_budget_per_step"] == 4096
+    assert_refused(["--chunked-prefill-size", "0"], capsys, "--chunked-prefill-size")
