@@ -171,6 +171,8 @@ def _turns(sid, pages, outs):
     ("sglang-hicache", 24),  # the last 256-token decode state: 1536 tokens
     ("vllm-marconi", 18),    # the last 576-token block boundary decode crossed: 1152 tokens
     ("marconi", 25),         # the state after the last decoded token
+    ("sglang-tuned", 24),    # as sglang-hicache: the last 256-token decode state, 1536 tokens
+    ("vllm-current", 10),    # the replay boundary of the prompt only: no decode state with retention interval 0
 ])
 def test_a_later_turn_reuses_the_previous_output_as_each_engine_cached_it(policy, reused_pages):
     session = _turns("s", [10, 30], [1000, 10])

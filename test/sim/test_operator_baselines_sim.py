@@ -1,14 +1,14 @@
 """Engine- and replay-side pieces of the operator-tuned baselines (issue 17): vLLM's internal prefill
 checkpoints (no forced step end at the last block boundary), the int8 checkpoint size SGLang's
-`--enable-int8-mamba-checkpoint` would give, what a later turn reuses on each, and sessions that the
-replay closes. Hand-computed expectations; sources in the policy modules and docs/policies.md."""
+`--enable-int8-mamba-checkpoint` would give, and sessions that the replay closes (what a later turn
+reuses on each: test_admission.py's later-turn test). Hand-computed expectations; sources in the policy modules and docs/policies.md."""
 import pytest
 
 from histate.core import make_policy
 from histate.sim.admission import engine_profile
 from histate.sim.costs import H100_SXM, QWEN35_9B
 from histate.sim.engine import Engine, EngineConfig, EngineRequest
-from histate.sim.replay import GiB, ReplayConfig, _Replay, replay
+from histate.sim.replay import GiB, ReplayConfig, _Replay
 from histate.sim.request import Workload, WorkloadStats
 
 from .test_admission import P, _turns
@@ -49,19 +49,6 @@ def test_int8_checkpoint_bytes_by_hand():
     int8 = type("Int8", (type(make_policy("sglang-hicache")),), {"name": "int8", "int8_checkpoints": True})()
     assert ReplayConfig().cache_config(P, int8).checkpoint_size_bytes == 14_155_776
     assert ReplayConfig().cache_config(P, make_policy("sglang-tuned")).checkpoint_size_bytes == 51_511_296
-
-
-@pytest.mark.parametrize("policy, reused_pages", [
-    ("sglang-tuned", 24),  # as sglang-hicache: the last 256-token decode state, 1,536 tokens
-    ("vllm-current", 10),  # the replay boundary of the prompt only: no decode state with interval 0
-])
-def test_a_later_turn_reuses_what_each_tuned_engine_cached(policy, reused_pages):
-    """Turn 1: 10 pages of prompt, 1,000 tokens of output (KV through page 25); turn 2 carries both."""
-    session = _turns("s", [10, 30], [1000, 10])
-    w = Workload("t", [session], WorkloadStats(sessions=1, requests=2))
-    run_ = replay(w, policy, ReplayConfig(gpu_cache_bytes=4 * GiB, cpu_cache_bytes=4 * GiB, ssd_cache_bytes=4 * GiB))
-    second = max(run_.records, key=lambda r: r.arrival_s)
-    assert second.reused_tokens == reused_pages * P
 
 
 def test_the_replay_closes_every_session_so_no_reference_outlives_its_session():
