@@ -17,7 +17,7 @@ from .policy_state import PolicyState
 from .scoring import ScoringContext
 from .stats import CacheStats
 from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, ConfigError, HiStateError,
-                    InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind)
+                    InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier)
 from .units import checkpoint_at_or_above, checkpoint_neighbours, checkpoints_above_removed_leaf, units_of
 from .victims import DeferredReoffers, VictimHeap, reoffer
 
@@ -31,6 +31,6 @@ __all__ = [
     "PassCaptures", "Policy", "PolicyState", "RequestLease", "ShortPrefillFirst", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
     "DeferredReoffers", "ScoringContext", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
     "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
-    "continuous_optimum_pages", "default_staging_slots", "floor_cut", "make_cache", "make_policy", "prefill_work_tokens",
+    "continuous_optimum_pages", "default_staging_slots", "fastest_tier", "floor_cut", "make_cache", "make_policy", "prefill_work_tokens",
     "recompute_cost_pages", "register_policy", "reoffer", "split_pass", "units_of",
 ]

@@ -18,7 +18,8 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
-from histate.core import SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, Tier, TierPlan, UnitKind, make_policy
+from histate.core import (SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, Tier, TierPlan, UnitKind, fastest_tier,
+                          make_policy)
 
 from .config import HiStateConfig
 from .core_nodes import CoreNode, core_of
@@ -48,9 +49,8 @@ def matched_reuse(path: list, ckpt_node: Optional[CoreNode]) -> MatchedReuse:
     by_tier: dict = {}
     start = 0
     for node in path:
-        mask = node.kv_mask
-        if mask:
-            tier = Tier((mask & -mask).bit_length() - 1)
+        tier = fastest_tier(node.kv_mask)
+        if tier is not None:
             by_tier[tier] = by_tier.get(tier, 0) + node.depth_pages - start
         start = node.depth_pages
         if node is ckpt_node:
@@ -137,7 +137,7 @@ class HiStateRuntime:
         path.reverse()
         ckpt_node = next((n for n in reversed(path) if n.ckpt_mask), None)
         self.state.refresh(path, path, ckpt_node, now_s)
-        if req is not None:
+        if req is not None and self.config.short_prefill_first:  # its only reader (short_prefill.py)
             setattr(req, REUSE_ATTR, matched_reuse(path, ckpt_node))
         if req is not None and not getattr(req, "_hs_observed", False):
             req._hs_observed = True  # a retried admission is not evidence twice
@@ -145,7 +145,7 @@ class HiStateRuntime:
             self.state.observe_match(kv_match_tokens, self.state.end_offset(diverged_in, kv_match_tokens))
             mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
             self.metrics.record_match(input_tokens=input_tokens, reused_tokens=ckpt_node.depth_pages if mask else 0,
-                                      tier=SGLANG_TIER_NAMES[Tier((mask & -mask).bit_length() - 1)] if mask else None)
+                                      tier=SGLANG_TIER_NAMES[fastest_tier(mask)] if mask else None)
         return ckpt_node
 
     def on_node_removed(self, node: CoreNode) -> None:
