@@ -10,7 +10,8 @@ import math
 import sys
 from pathlib import Path
 
-from .core import DEFAULT_INTERVALS_PAGES, DEFAULT_MAX_YIELDS, DEFAULT_TAU_S, available_policies
+from .core import (DEFAULT_CHUNK_PAGES, DEFAULT_INTERVALS_PAGES, DEFAULT_MAX_YIELDS, DEFAULT_TAU_S, STATE_GRID_TOKENS,
+                   available_policies)
 from .sim.costs import MODELS
 from .sim.presets import PRESETS
 from .sim.replay import DEFAULT_STAGGER_S, SESSION_SAMPLINGS
@@ -141,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="policies on SGLang's scheduler cap a continuing chunked prefill so short prefills run "
                           "first, the long one yielding at most MAX_YIELDS passes in a row "
                           f"({DEFAULT_MAX_YIELDS}; the plugin's --histate-short-prefill-first, core/prefill_order.py)")
-    sim.add_argument("--chunked-prefill-size", type=_number("tokens", at_least=1, integer=True), default=8192,
+    sim.add_argument("--chunked-prefill-size", type=_number("tokens", at_least=1, integer=True),
                      help="prefill tokens per forward step for every policy: SGLang's --chunked-prefill-size, vLLM's "
-                          "--max-num-batched-tokens (8192, both engines' default on H100/H200)")
+                          f"--max-num-batched-tokens ({DEFAULT_CHUNK_PAGES * STATE_GRID_TOKENS}, both engines' "
+                          "default on H100/H200)")
     sim.add_argument("--long-prefill-token-threshold", type=_number("tokens", at_least=0, integer=True), default=0,
                      help="policies on vLLM's scheduler give every prefill at most this many tokens per step "
                           "(vLLM's --long-prefill-token-threshold; 0: off)")
@@ -343,7 +345,7 @@ def build_config(args, settings: dict, page_num_tokens: int):
                           seed=args.seed, tau_s=args.tau, intervals_pages=args.intervals, engine_name=args.engine)
     if args.h2d_gbps is not None or args.ssd_gbps is not None:
         config = replace(config, hardware_spec=hardware.with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps))
-    if getattr(args, "chunked_prefill_size", None) not in (None, config.engine.token_budget_per_step):
+    if getattr(args, "chunked_prefill_size", None) is not None:
         config = replace(config, engine=replace(config.engine, token_budget_per_step=args.chunked_prefill_size))
     if getattr(args, "long_prefill_token_threshold", 0):
         config = replace(config, engine=replace(config.engine, long_prefill_token_threshold=args.long_prefill_token_threshold))

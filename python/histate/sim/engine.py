@@ -71,7 +71,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Optional
 
-from ..core import ShortPrefillFirst, floor_cut, prefill_work_tokens
+from ..core import DEFAULT_CHUNK_PAGES, STATE_GRID_TOKENS, ShortPrefillFirst, floor_cut, prefill_work_tokens
 from .costs import CPU_TIER, GPU_TIER, SSD_TIER, HardwareSpec, ModelSpec, PrefillChunk, RooflineStepCost
 
 
@@ -80,7 +80,7 @@ CHUNK_RULES = ("none", "vllm", "vllm-internal", "grid")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    token_budget_per_step: int = 8192     # chunked prefill size / max batched tokens per step
+    token_budget_per_step: int = DEFAULT_CHUNK_PAGES * STATE_GRID_TOKENS  # chunked prefill size / max batched tokens per step (8192)
     mixed_batches: bool = True            # decode tokens and prefill chunks share a step
     max_running_requests: int = 256       # admitted requests (SGLang/vLLM max batch; rarely binding)
     io_unit_bytes: int = 64 * 2**20       # background transfer granularity (non-preemptible)
@@ -573,12 +573,13 @@ class Engine:
             budget -= len(self._decoding)
         members = []
         head_limit = self._short_first_limit(budget)
+        capped = self._prefill[0] if head_limit is not None else None
         for active in list(self._prefill):
             if budget <= 0:
                 break
             if active.req.request_id not in self._running:
                 continue                           # preempted by an earlier chunk of this step
-            n = self._chunk(active, budget if head_limit is None or active is not self._prefill[0] else head_limit)
+            n = self._chunk(active, min(budget, head_limit) if active is capped else budget)  # add_chunked_req's min
             if n <= 0:
                 continue
             if not self._grow(active, active.context + n, start):
