@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from robustness import BASE, ROWS, TRACE
+from robustness import ROWS, TRACE, replay_argv
 
 from histate.sim.capacity import DEFAULT_TARGETS, find_capacity
 
@@ -31,16 +31,6 @@ POLICIES = ("histate", "histate+sched", "unlimited", "unlimited+sched", "vllm-di
             "sglang-hicache")
 SCHED = "+sched"
 SCHED_ARGS = "--short-prefill-first 4 --long-prefill-token-threshold 4096"
-
-
-def replay_argv(row: str, seed: int) -> list:
-    flags, needs_trace = ROWS[row]
-    args = {**BASE, **flags, "--seed": str(seed)}
-    argv = ["replay", "--no-plots", "--no-progress"] + (["--trace", str(TRACE)] if needs_trace else [])
-    for flag, value in args.items():
-        if value is not None:
-            argv += [flag, value]
-    return argv
 
 
 def load_probes(path: Path) -> dict:

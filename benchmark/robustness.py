@@ -48,16 +48,22 @@ METRICS = ("token_hit_rate", "ttft_p95_s", "ttft_p99_s", "cohort_recovered_fract
            "cohort_ttft_p95_s", "long_prefill_ttft_mean_s")
 
 
-def command(row: str, seed: int, policies: list, out: Path, extra: list) -> list:
+def replay_argv(row: str, seed: int, extra: list = ()) -> list:
+    """`histate replay` arguments of one (row, seed), without policies or output (benchmark/capacity.py
+    runs them in-process)."""
     flags, needs_trace = ROWS[row]
-    args = {**BASE, **flags, "--seed": str(seed), "--policies": ",".join(policies), "--out": str(out)}
-    cmd = [sys.executable, "-m", "histate.cli", "replay", "--no-plots", "--no-progress", *extra]
+    argv = ["replay", "--no-plots", "--no-progress", *extra]
     if needs_trace:
-        cmd += ["--trace", str(TRACE)]
-    for flag, value in args.items():
+        argv += ["--trace", str(TRACE)]
+    for flag, value in {**BASE, **flags, "--seed": str(seed)}.items():
         if value is not None:
-            cmd += [flag, value]
-    return cmd
+            argv += [flag, value]
+    return argv
+
+
+def command(row: str, seed: int, policies: list, out: Path, extra: list) -> list:
+    return [sys.executable, "-m", "histate.cli", *replay_argv(row, seed, extra),
+            "--policies", ",".join(policies), "--out", str(out)]
 
 
 def run_one(row: str, seed: int, policies: list, out_root: Path, extra: list) -> dict:
