@@ -4,7 +4,7 @@ PY        ?= python3
 VENV      ?= .venv
 VPY       := $(VENV)/bin/python
 PIP       := $(VPY) -m pip install -q -c constraints/cpu.txt
-STAMP     := $(VENV)/.histate-installed-v1
+STAMP     := $(VENV)/.histate-installed-v2
 PYTEST    := $(VPY) -m pytest
 HYPOTHESIS_PROFILE ?= ci
 
@@ -24,6 +24,11 @@ $(STAMP): python/pyproject.toml constraints/cpu.txt Makefile
 	$(PIP) --no-deps sglang==0.5.23
 	# NIXL: the meta package plus one backend wheel only (the cu12 twin is 250 MB of dead weight on CPU).
 	$(PIP) --no-deps nixl==1.5.1 nixl-cu13==1.5.1 || echo "NIXL unavailable: storage uses the file fallback"
+	# Scale-out: Mooncake Store (L3) and sglang-router. Mooncake's store module links libibverbs.so.1
+	# (Debian's libibverbs1) even for TCP; the cluster tests skip, naming what is missing, without them.
+	ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq libibverbs1; } \
+		|| echo "libibverbs1 unavailable: the L3/cluster tests will skip"
+	$(PIP) -e "python[cluster]" || echo "Mooncake/sglang-router unavailable: the L3/cluster tests will skip"
 	touch $(STAMP)
 
 venv: $(STAMP)  ## create .venv with everything the tests need (idempotent)
