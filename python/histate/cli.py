@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--engine", choices=("sglang", "vllm"),
                      help="serve every policy with this engine's scheduler and memory admission (what-if; "
                           "default: each policy's own, docs/policies.md)")
-    sim.add_argument("--short-prefill-first", type=_number("passes", at_least=0, integer=True), nargs="?",
+    sim.add_argument("--short-prefill-first", type=_number("passes", at_least=1, integer=True), nargs="?",
                      const=DEFAULT_MAX_YIELDS, metavar="MAX_YIELDS",
                      help="policies on SGLang's scheduler cap a continuing chunked prefill so short prefills run "
                           "first, the long one yielding at most MAX_YIELDS passes in a row "

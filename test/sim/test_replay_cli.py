@@ -303,7 +303,7 @@ def test_per_request_plot_has_a_title_that_defines_reuse_sensitive():
         in title
 
 
-def test_short_prefill_first_is_recorded_and_refuses_a_negative_count(tmp_path, capsys):
+def test_short_prefill_first_is_recorded_and_refuses_fewer_than_one_yield(tmp_path, capsys):
     trace = str(small_trace(tmp_path))
     out_dir = tmp_path / "spf"
     rc, _, err = run(["--trace", trace, "--policies", "histate", "--out", str(out_dir), "--short-prefill-first", *FAST],
@@ -312,6 +312,8 @@ def test_short_prefill_first_is_recorded_and_refuses_a_negative_count(tmp_path, 
     settings = strict_json((out_dir / "summary.json").read_text())["settings"]
     assert settings["engine"]["short_prefill_first"] == {"max_yields": DEFAULT_MAX_YIELDS, "short_max_tokens": None}
     assert_refused(["--short-prefill-first", "-1"], capsys, "--short-prefill-first")
+    # 0 yields would never let a short prefill pass: the plugin's --histate-short-prefill-max-yields refuses it too
+    assert_refused(["--short-prefill-first", "0"], capsys, "--short-prefill-first")
 
 
 def test_chunked_prefill_size_sets_every_engines_step_budget(tmp_path, capsys):
