@@ -331,6 +331,8 @@ class _ClusterReplay:
         self.moved_roots = sorted(owned)
         self.awaiting_first_after_move = set(owned)
         self.router.remove(index)
+        if self.store is not None:
+            self.l3_at(t)   # puts visible by t survive the server (applied lazily otherwise)
         self.pending_puts = [p for p in self.pending_puts if p[2] != index]   # lost with the server
         heapq.heapify(self.pending_puts)
         lost = sorted(server.in_flight.items())
