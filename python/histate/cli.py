@@ -149,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--long-prefill-token-threshold", type=_number("tokens", at_least=0, integer=True), default=0,
                      help="policies on vLLM's scheduler give every prefill at most this many tokens per step "
                           "(vLLM's --long-prefill-token-threshold; 0: off)")
+    cl = r.add_argument_group("cluster mode (sim/cluster.py; any flag here other than the defaults turns it on)")
+    cl.add_argument("--servers", type=_number("servers", at_least=1, integer=True), default=1,
+                    help="simulated servers, each with the budgets above; live sessions scale with them (1)")
+    cl.add_argument("--router", choices=("manual", "cache_aware"), default="manual",
+                    help="sgl-model-gateway policy: manual = sticky by root session id, cache_aware (manual)")
+    cl.add_argument("--l3-size-gb", type=_number("GB", at_least=0), default=0.0,
+                    help="shared L3 store (Mooncake model), GB = 1e9 bytes; 0 = none. Only histate and "
+                         "sglang-hicache use it (0)")
+    cl.add_argument("--l3-link-gbps", type=_number("Gbit/s", above=0),
+                    help="each server's link to L3 (PLACEHOLDER default, sim/l3_link.py)")
+    cl.add_argument("--l3-op-latency-ms", type=_number("ms", at_least=0),
+                    help="latency per L3 operation (PLACEHOLDER default, sim/l3_link.py)")
+    cl.add_argument("--eviction_high_watermark_ratio", "--eviction-high-watermark-ratio", dest="eviction_high_watermark_ratio",
+                    type=_number("", above=0, at_most=1), help="Mooncake master flag (0.90)")
+    cl.add_argument("--eviction_ratio", "--eviction-ratio", dest="eviction_ratio", type=_number("", above=0, at_most=1),
+                    help="Mooncake master flag (0.05)")
+    cl.add_argument("--fail-server", type=_fail_server, metavar="K@T",
+                    help="server K dies at simulated second T; also replays without the failure to compare")
     out = r.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("out/replay"), help="directory for summary.json, requests.csv and plots (out/replay)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -161,6 +179,55 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_parser(sub)
     _add_serve_parser(sub)
     return ap
+
+
+def _fail_server(text: str) -> tuple:
+    """argparse type: K@T, a server index and a simulated time in seconds."""
+    try:
+        k, t = text.split("@")
+        k, t = int(k), float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K@T (server index @ seconds), got {text!r}") from None
+    if k < 0 or not (math.isfinite(t) and t >= 0):
+        raise argparse.ArgumentTypeError(f"expected K >= 0 and a finite T >= 0, got {text!r}")
+    return k, t
+
+
+def cluster_config(args):
+    """The ClusterConfig the cluster flags ask for, or None when they ask for one plain server."""
+    from .sim.cluster import ClusterConfig
+    from .sim.l3 import DEFAULT_EVICTION_HIGH_WATERMARK_RATIO, DEFAULT_EVICTION_RATIO, L3StoreConfig
+    from .sim.l3_link import GBIT, PLACEHOLDER_L3_LINK, L3LinkSpec
+
+    if args.servers == 1 and not args.l3_size_gb and args.fail_server is None:
+        return None
+    link = L3LinkSpec(args.l3_link_gbps * GBIT if args.l3_link_gbps else PLACEHOLDER_L3_LINK.bandwidth_bytes_per_s,
+                      args.l3_op_latency_ms / 1e3 if args.l3_op_latency_ms is not None
+                      else PLACEHOLDER_L3_LINK.op_latency_s)
+    store = L3StoreConfig(int(args.l3_size_gb * 1e9),
+                          args.eviction_high_watermark_ratio or DEFAULT_EVICTION_HIGH_WATERMARK_RATIO,
+                          args.eviction_ratio or DEFAULT_EVICTION_RATIO)
+    return ClusterConfig(args.servers, args.router, store, link, fail_server=args.fail_server)
+
+
+def replay_cluster_runs(workload, policies: list, config, cluster, progress: bool) -> tuple:
+    """(PolicyRun view per policy, cluster summary per policy): each policy in cluster mode, and
+    without the failure too when one is asked for (moved sessions' paired TTFTs)."""
+    from dataclasses import replace
+
+    from .sim.cluster import replay_cluster
+    from .sim.cluster_metrics import as_policy_run, summarize_cluster
+
+    runs, summaries = {}, {}
+    for name in policies:
+        run = replay_cluster(workload, name, config, cluster)
+        baseline = replay_cluster(workload, name, config, replace(cluster, fail_server=None)) \
+            if cluster.fail_server is not None else None
+        runs[name] = as_policy_run(run)
+        summaries[name] = summarize_cluster(run, baseline)
+        if progress:
+            print(f"  {name}: cluster replay of {len(run.records)} requests in {run.wall_s:.1f} s", file=sys.stderr)
+    return runs, summaries
 
 
 def _token_scale(text: str) -> float:
@@ -431,7 +498,27 @@ def replay_command(args) -> int:
 
         logs = {name: EvictionLog() for name in args.explain}
         policies += [p for p in (*args.explain, "unlimited") if p not in policies]
-    runs, interrupted = replay_until_interrupted(workload, policies, config, not args.no_progress, logs)
+    try:
+        cluster = cluster_config(args)
+    except ValueError as err:
+        print(f"histate replay: error: {err}", file=sys.stderr)
+        return 2
+    cluster_summaries = None
+    if cluster is not None:
+        if logs:
+            print("histate replay: error: --explain runs on one server only (no --servers/--l3-size-gb/--fail-server)",
+                  file=sys.stderr)
+            return 2
+        print(f"cluster mode: {cluster.num_servers} servers, router {cluster.router}, "
+              f"{cluster.num_servers * args.max_live_sessions} live sessions, "
+              f"L3 {cluster.l3_store.capacity_bytes / 1e9:g} GB"
+              + (f" (link {cluster.l3_link.bandwidth_bytes_per_s / 1.25e8:g} Gbit/s, "
+                 f"{cluster.l3_link.op_latency_s * 1e3:g} ms/op)" if cluster.has_l3 else "")
+              + (f", server {cluster.fail_server[0]} fails at {cluster.fail_server[1]:g} s" if cluster.fail_server else ""))
+        runs, cluster_summaries = replay_cluster_runs(workload, policies, config, cluster, not args.no_progress)
+        interrupted = None
+    else:
+        runs, interrupted = replay_until_interrupted(workload, policies, config, not args.no_progress, logs)
     if interrupted and not runs:
         print(f"histate replay: interrupted during {interrupted}, before any policy finished; nothing written",
               file=sys.stderr)
@@ -440,6 +527,11 @@ def replay_command(args) -> int:
     if interrupted:
         summary["interrupted"] = {"policy": interrupted, "not_replayed": policies[len(runs):]}
     print(format_table(summary))
+    if cluster_summaries is not None:
+        from .sim.cluster_metrics import format_cluster_table
+
+        summary["cluster"] = cluster_summaries
+        print(format_cluster_table(cluster_summaries))
     for name, run in runs.items():
         n = len(run.records)
         span_h = summary["policies"][name]["simulated_span_s"] / 3600

@@ -114,8 +114,12 @@ class CacheGate(MemoryGate):
     """The engine's memory, backed by a `histate.core` cache (module docstring)."""
 
     def __init__(self, cache: HybridPrefixCache, profile: EngineProfile,
-                 on_cache_change: Callable[[float], None] = lambda now_s: None, observer=None) -> None:
-        """`observer`: an explain.EvictionLog, told which request each cache call serves."""
+                 on_cache_change: Callable[[float], None] = lambda now_s: None, observer=None,
+                 on_finish_insert: Optional[Callable] = None) -> None:
+        """`observer`: an explain.EvictionLog, told which request each cache call serves.
+        `on_finish_insert(request, page_keys, state_pages, now_s)`: called when a finished request's
+        pages and states enter the cache (cluster mode writes L3 at that moment, sim/cluster.py)."""
+        self.on_finish_insert = on_finish_insert
         self.cache = cache
         self.observer = observer
         self.profile = profile
@@ -142,7 +146,9 @@ class CacheGate(MemoryGate):
         held = self.held.pop(uid)
         request = held.request
         kv_tokens = request.input_num_tokens + max(0, request.output_num_tokens - 1)  # the last token has no KV
-        self._insert(held, request.input_num_tokens, kv_tokens, step_end_tokens, now_s, request.session_id)
+        inserted = self._insert(held, request.input_num_tokens, kv_tokens, step_end_tokens, now_s, request.session_id)
+        if inserted is not None and self.on_finish_insert is not None:
+            self.on_finish_insert(request, *inserted, now_s)
 
     def close_session(self, session_id: Hashable, now_s: float) -> None:
         """The client session ended (its last request completed): SGLang's `close_session`, which
@@ -259,9 +265,10 @@ class CacheGate(MemoryGate):
         return True
 
     def _insert(self, held: _Held, prompt_tokens: int, kv_tokens: int, step_end_tokens: list, now_s: float,
-                session_id: Optional[Hashable] = None) -> None:
+                session_id: Optional[Hashable] = None) -> Optional[tuple]:
         """Give back the request's memory, then offer the cache its first `kv_tokens` tokens of
-        prompt + output with the states the engine keeps; the lease closes."""
+        prompt + output with the states the engine keeps; the lease closes. Returns the page keys and
+        state positions (pages) offered, None when the request held no lease."""
         cache, P = self.cache, self.page_num_tokens
         if not self.profile.engine.caches_outputs:  # `histate serve`: nothing past the prompt is cached
             kv_tokens = min(kv_tokens, prompt_tokens)
@@ -273,7 +280,7 @@ class CacheGate(MemoryGate):
         lease = held.lease
         held.lease = None
         if lease is None:
-            return
+            return None
         prompt_pages = min(prompt_tokens, kv_tokens) // P
         output_end = kv_tokens // P if kv_tokens > prompt_tokens else None
         if held.plan_pages is not None:
@@ -281,9 +288,10 @@ class CacheGate(MemoryGate):
         else:
             positions = cache.plan_checkpoints(lease, prompt_pages, _state_pages(lease, step_end_tokens, P),
                                                output_end)
-        cache.finish_request(lease, held.request.keys_through(max(prompt_pages, kv_tokens // P)), now_s, positions,
-                             session_id)
+        keys = held.request.keys_through(max(prompt_pages, kv_tokens // P))
+        cache.finish_request(lease, keys, now_s, positions, session_id)
         self.on_cache_change(now_s)
+        return keys, positions
 
     def _captured(self, held: _Held, lease: RequestLease, prompt_pages: int, step_end_tokens: list,
                   output_end: Optional[int]) -> list:

@@ -117,6 +117,7 @@ class EngineRequest:
     kv_restore_bytes_by_tier: Mapping = field(default_factory=dict)
     checkpoint_restore_bytes: int = 0
     checkpoint_tier: Optional[int] = None
+    l3_restore_bytes: int = 0  # cluster mode: KV pages + state read from the shared L3 store (sim/l3.py)
 
 
 @dataclass(slots=True)
@@ -232,6 +233,11 @@ class Channel:
         self.stats.background_busy_s += duration_s
         self.stats.max_backlog_s = max(self.stats.max_backlog_s, self._backlog_s)
 
+    def background_done_s(self, t: float) -> float:
+        """When the background work queued at `t` ends if no foreground work arrives meanwhile."""
+        self._drain(t)
+        return max(t, self._free_at) + self._backlog_s
+
     def backlog_s(self, t: float) -> float:
         """Background seconds still queued at `t` (committed units in flight excluded)."""
         self._drain(t)
@@ -299,8 +305,13 @@ class Engine:
     """One GPU (module docstring). Not thread-safe; one driver owns it."""
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, config: EngineConfig = EngineConfig(),
-                 step_cost: Optional[RooflineStepCost] = None, gate: Optional[MemoryGate] = None) -> None:
+                 step_cost: Optional[RooflineStepCost] = None, gate: Optional[MemoryGate] = None,
+                 l3_link=None) -> None:
+        """`l3_link`: a `sim.l3_link.L3LinkSpec` (cluster mode): this server's network link to the shared
+        L3 store, a FIFO channel like the SSD; None (one server) leaves every code path unchanged."""
         self.model, self.hardware, self.config = model, hardware, config
+        self.l3_spec = l3_link
+        self.l3 = None if l3_link is None else Channel("l3", config.io_unit_bytes / l3_link.bandwidth_bytes_per_s)
         self.cost = step_cost if step_cost is not None else RooflineStepCost(model, hardware)
         self.gate = gate if gate is not None else MemoryGate()
         unit = config.io_unit_bytes
@@ -387,6 +398,9 @@ class Engine:
         timing = active.timing
         timing.restore_done_s = ready
         timing.restore_transfer_s = max((cpu_bytes + ssd_bytes) / h2d_bw, ssd_bytes / ssd_bw + ssd_bytes / h2d_bw)
+        if req.l3_restore_bytes:
+            self._start_l3_restore(timing, req.l3_restore_bytes, now_s)
+            ready = timing.restore_done_s
         if timing.admitted_s is None:
             timing.admitted_s = now_s
             timing.num_compute_tokens = n
@@ -400,6 +414,34 @@ class Engine:
         self._running[req.request_id] = active
         self._seq += 1
         heapq.heappush(self._restoring, (ready, self._seq, active.admission, active))
+
+    def _start_l3_restore(self, timing: RequestTiming, l3_bytes: int, now_s: float) -> None:
+        """Cluster mode: `l3_bytes` cross the L3 link (one operation's latency + bytes / bandwidth,
+        FIFO behind other restores and at most one background unit) and then H2D, like an SSD read
+        (module docstring, Restore). Runs after the local restore was reserved, so it queues behind it."""
+        if self.l3 is None:
+            raise ValueError("an L3 restore on an engine without an L3 link")
+        spec, h2d_bw = self.l3_spec, self.hardware.h2d_bandwidth_bytes_per_s
+        link_s = spec.op_latency_s + l3_bytes / spec.bandwidth_bytes_per_s
+        l3_end = self.l3.reserve(link_s, l3_bytes, now_s)
+        h2d_end = self.h2d.reserve(l3_bytes / h2d_bw, l3_bytes, now_s)
+        timing.restore_done_s = max(timing.restore_done_s, h2d_end, l3_end + l3_bytes / h2d_bw)
+        timing.restore_transfer_s = max(timing.restore_transfer_s, link_s + l3_bytes / h2d_bw)
+
+    def submit_l3_put(self, size_bytes: float, num_ops: int, now_s: float) -> float:
+        """Cluster mode: a background write of `size_bytes` in `num_ops` store operations (HiCache
+        writes L3 from host memory after the L2 backup, so it crosses only the L3 link). Returns when
+        it completes if no restore overtakes it (restores preempt background work between units, so
+        this is a lower bound): the time its objects become visible in the store."""
+        self._check_time(now_s)
+        if self.l3 is None:
+            raise ValueError("an L3 put on an engine without an L3 link")
+        if size_bytes <= 0:
+            return now_s
+        spec = self.l3_spec
+        self.l3.add_background(num_ops * spec.op_latency_s + size_bytes / spec.bandwidth_bytes_per_s, size_bytes,
+                               now_s)
+        return self.l3.background_done_s(now_s)
 
     def submit_transfer(self, size_bytes: float, src_tier: Optional[int], dst_tier: Optional[int],
                         now_s: float) -> None:
@@ -452,6 +494,11 @@ class Engine:
         if self._pending:
             return self._pending_time
         return self._next_step_start()
+
+    @property
+    def has_pending_events(self) -> bool:
+        """Events of a committed step wait to be returned (`next_event_time` is then exact)."""
+        return bool(self._pending)
 
     def has_work(self) -> bool:
         return bool(self._pending or self._running or self._waiting)

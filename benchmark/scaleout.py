@@ -1,0 +1,206 @@
+"""Issue 18, "Beyond one machine, by simulation": cluster mode of `histate replay` (sim/cluster.py).
+
+Three sweeps, every number simulated:
+  (a) scale-out: 1, 2, 4, 8, 16 servers at constant load per server (`--max-live-sessions` per
+      server), histate vs sglang-hicache, without L3 and with an L3 of `--l3-gb` GB: cluster token
+      hit rate and p95 TTFT;
+  (b) failover: the cluster of `--fail-servers` servers loses server 0 at mid-run, with and without
+      L3: the moved sessions' first-request TTFT next to the same requests in a run without failure;
+  (c) L3 capacity: cluster hit rate vs L3 GB at `--fail-servers` servers with the failure.
+The L3 link is sim/l3_link.py's PLACEHOLDER (uncalibrated) unless --l3-link-gbps / --l3-op-latency-ms.
+Workload: the synthetic agent workload (what `histate replay` runs without --trace); `--trace` uses
+the Weka trace (default path below when present). Sessions scale with servers: `--sessions-per-server`
+root sessions per server are admitted (the synthetic workload is regenerated with more sessions).
+Resumable: every cell is one JSON file under --out/cells, skipped when present.
+
+    .venv/bin/python benchmark/scaleout.py [--servers 1 2 4 8 16] [--l3-gb 200] [--trace]
+        [--out out/scaleout] [--docs docs]   # writes scaleout.md and scaleout.png to --docs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / ".." / "shared" / "traces" / "cc-traces-weka-042026" / "traces.jsonl.gz"
+POLICIES = ("histate", "sglang-hicache")
+GiB = 2**30
+
+
+def workload_and_config(args, num_servers: int):
+    """The workload and per-server ReplayConfig of one cell (sessions scale with servers)."""
+    from histate.cli import build_parser, plan_replay
+
+    sessions = args.sessions_per_server * num_servers
+    argv = ["replay", "--no-plots", "--no-progress", "--seed", str(args.seed), "--max-live-sessions",
+            str(args.live_per_server), "--gpu-gib", str(args.gpu_gib), "--cpu-gib", str(args.cpu_gib),
+            "--ssd-gib", str(args.ssd_gib), "--out", str(args.out / "unused")]
+    if args.trace:
+        argv += ["--trace", str(TRACE), "--max-sessions", str(sessions)]
+        _, workload, config, _, _ = plan_replay(build_parser().parse_args(argv))
+        return workload, config
+    from histate.sim.workloads import AgentWorkloadConfig, agent_workload
+
+    _, _, config, _, _ = plan_replay(build_parser().parse_args(argv))
+    # the embedded default's shape (default_workload: sessions x 12 turns), with sessions scaled
+    return agent_workload(AgentWorkloadConfig(num_sessions=sessions, seed=args.seed), name="synthetic:agent"), config
+
+
+def cluster_config(args, num_servers: int, l3_gb: float, fail: bool):
+    from histate.sim.cluster import ClusterConfig
+    from histate.sim.l3 import L3StoreConfig
+    from histate.sim.l3_link import GBIT, PLACEHOLDER_L3_LINK, L3LinkSpec
+
+    link = L3LinkSpec(args.l3_link_gbps * GBIT if args.l3_link_gbps else PLACEHOLDER_L3_LINK.bandwidth_bytes_per_s,
+                      args.l3_op_latency_ms / 1e3 if args.l3_op_latency_ms is not None
+                      else PLACEHOLDER_L3_LINK.op_latency_s)
+    return ClusterConfig(num_servers, "manual", L3StoreConfig(int(l3_gb * 1e9)), link)
+
+
+def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail: bool) -> dict:
+    """One cluster replay (and, with a failure, the paired run without it), cached as JSON."""
+    path = args.out / "cells" / f"{name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from histate.sim.cluster import replay_cluster
+    from histate.sim.cluster_metrics import summarize_cluster
+
+    workload, config = workload_and_config(args, num_servers)
+    cluster = cluster_config(args, num_servers, l3_gb, fail)
+    baseline = replay_cluster(workload, policy, config, cluster)
+    if fail:
+        span = max(r.completion_s for r in baseline.records)
+        run = replay_cluster(workload, policy, config, replace(cluster, fail_server=(0, span / 2)))
+        summary = summarize_cluster(run, baseline)
+    else:
+        summary = summarize_cluster(baseline)
+    summary.update(cell=name, servers=num_servers, l3_gb=l3_gb, fail=fail)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def cells(args) -> list:
+    """(name, policy, servers, L3 GB, failure) of every cell, sweep by sweep."""
+    out = []
+    for n in args.servers:
+        for policy in POLICIES:
+            for l3 in (0.0, args.l3_gb):
+                out.append((f"a-{policy}-n{n}-l3{l3:g}", policy, n, l3, False))
+    for policy in POLICIES:
+        for l3 in (0.0, args.l3_gb):
+            out.append((f"b-{policy}-n{args.fail_servers}-l3{l3:g}", policy, args.fail_servers, l3, True))
+    for policy in POLICIES:
+        for l3 in args.l3_sweep_gb:
+            out.append((f"c-{policy}-n{args.fail_servers}-l3{l3:g}", policy, args.fail_servers, l3, True))
+    return out
+
+
+def markdown(results: list, args) -> str:
+    pct = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:.1f}%"
+    sec = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f} s"
+    workload = "Weka trace" if args.trace else "synthetic agent workload"
+    lines = [f"# Scale-out (simulated; {workload}, seed {args.seed}, {args.live_per_server} live sessions and "
+             f"{args.sessions_per_server} sessions per server; L3 link PLACEHOLDER unless stated)", "",
+             "## (a) servers at constant load per server (simulated)", "",
+             "| policy | servers | L3 GB | cluster hit rate | L3 hit Mtok | p95 TTFT | p99 TTFT |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r["cell"].startswith("a-"):
+            lines.append(f"| {r['policy']} | {r['servers']} | {r['l3_gb']:g} | {pct(r['token_hit_rate'])} | "
+                         f"{r['l3_hit_tokens'] / 1e6:.2f} | {sec(r['ttft_p95_s'])} | {sec(r['ttft_p99_s'])} |")
+    lines += ["", f"## (b) server 0 fails at mid-run, {args.fail_servers} servers (simulated)", "",
+              "| policy | L3 GB | moved sessions | their first TTFT after the move (mean / p95) | same requests without failure |",
+              "|---|---:|---:|---:|---:|"]
+    for r in results:
+        if r["cell"].startswith("b-"):
+            m, b = r.get("moved_first_ttft", {}), r.get("moved_first_ttft_without_failure", {})
+            lines.append(f"| {r['policy']} | {r['l3_gb']:g} | {r['moved_sessions']} | {sec(m.get('mean_s'))} / "
+                         f"{sec(m.get('p95_s'))} | {sec(b.get('mean_s'))} / {sec(b.get('p95_s'))} |")
+    lines += ["", f"## (c) L3 capacity, {args.fail_servers} servers with the failure (simulated)", "",
+              "| policy | L3 GB | cluster hit rate | L3 hit Mtok | L3 peak GB | moved first TTFT mean |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if r["cell"].startswith("c-"):
+            lines.append(f"| {r['policy']} | {r['l3_gb']:g} | {pct(r['token_hit_rate'])} | "
+                         f"{r['l3_hit_tokens'] / 1e6:.2f} | {r.get('l3_peak_used_bytes', 0) / 1e9:.1f} | "
+                         f"{sec(r.get('moved_first_ttft', {}).get('mean_s'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    for policy in POLICIES:
+        for l3 in sorted({r["l3_gb"] for r in results if r["cell"].startswith("a-")}):
+            rows = sorted((r for r in results if r["cell"].startswith("a-") and r["policy"] == policy
+                           and r["l3_gb"] == l3), key=lambda r: r["servers"])
+            label = f"{policy}, L3 {l3:g} GB"
+            ax1.plot([r["servers"] for r in rows], [r["token_hit_rate"] * 100 for r in rows], marker="o", label=label)
+            ax2.plot([r["servers"] for r in rows], [r["ttft_p95_s"] for r in rows], marker="o", label=label)
+        rows = sorted((r for r in results if r["cell"].startswith("c-") and r["policy"] == policy),
+                      key=lambda r: r["l3_gb"])
+        ax3.plot([r["l3_gb"] for r in rows], [r["token_hit_rate"] * 100 for r in rows], marker="o", label=policy)
+    for ax, title, y in ((ax1, "cluster hit rate vs servers", "token hit rate (%)"),
+                         (ax2, "p95 TTFT vs servers", "p95 TTFT (s)"), (ax3, "hit rate vs L3 size (failure)", "token hit rate (%)")):
+        ax.set_title(title + " (simulated)")
+        ax.set_ylabel(y)
+        ax.legend(fontsize=7)
+    ax1.set_xscale("log", base=2)
+    ax2.set_xscale("log", base=2)
+    ax3.set_xlabel("L3 GB")
+    ax1.set_xlabel("servers")
+    ax2.set_xlabel("servers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--servers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--fail-servers", type=int, default=4)
+    ap.add_argument("--l3-gb", type=float, default=200.0)
+    ap.add_argument("--l3-sweep-gb", type=float, nargs="+", default=[0, 25, 50, 100, 200, 400])
+    ap.add_argument("--l3-link-gbps", type=float)
+    ap.add_argument("--l3-op-latency-ms", type=float)
+    ap.add_argument("--live-per-server", type=int, default=8)
+    ap.add_argument("--sessions-per-server", type=int, default=24)
+    ap.add_argument("--gpu-gib", type=float, default=4)
+    ap.add_argument("--cpu-gib", type=float, default=8)
+    ap.add_argument("--ssd-gib", type=float, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", action="store_true", help=f"the Weka trace ({TRACE}) instead of the synthetic workload")
+    ap.add_argument("--out", type=Path, default=Path("out/scaleout"))
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs")
+    args = ap.parse_args()
+    if args.trace and not TRACE.exists():
+        print(f"no trace at {TRACE}", file=sys.stderr)
+        return 2
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        def tqdm(it, **_):
+            return it
+    todo = cells(args)
+    results = []
+    for name, policy, n, l3, fail in tqdm(todo, desc="scaleout", unit="cell"):
+        results.append({**run_cell(args, name, policy, n, l3, fail), "policy": policy})
+    args.docs.mkdir(parents=True, exist_ok=True)
+    table = markdown(results, args)
+    (args.docs / "scaleout.md").write_text(table)
+    plot(results, args.docs / "scaleout.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
