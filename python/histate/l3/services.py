@@ -113,10 +113,10 @@ def _stop(proc: Optional[subprocess.Popen], sig: int = signal.SIGTERM, timeout_s
 
 @dataclass(frozen=True)
 class MasterOptions:
-    """The master's eviction knobs (mooncake_master flags of the same names; defaults as the wheel's
-    except the watermark, which SGLang's Mooncake README sets to 0.95)."""
+    """The master's eviction knobs (mooncake_master flags of the same names, with the wheel's defaults;
+    the simulator's L3 uses the same ones, sim/l3.py)."""
 
-    eviction_high_watermark_ratio: float = 0.95
+    eviction_high_watermark_ratio: float = 0.90
     eviction_ratio: float = 0.05
     default_kv_lease_ttl_ms: int = 10_000
 

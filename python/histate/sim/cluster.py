@@ -47,7 +47,7 @@ from .admission import CacheGate, engine_profile
 from .costs import get_model
 from .engine import Engine, EngineRequest, EventKind
 from .l3 import KV, STATE, L3Store, L3StoreConfig
-from .l3_link import PLACEHOLDER_L3_LINK, L3LinkSpec
+from .l3_link import FLEET_L3_LINK, L3LinkSpec
 from .metrics import RequestRecord
 from .replay import ReplayConfig, _SessionRun, admission_order
 from .request import Workload
@@ -62,7 +62,7 @@ class ClusterConfig:
     num_servers: int = 1
     router: str = "manual"
     l3_store: L3StoreConfig = field(default_factory=lambda: L3StoreConfig(0))
-    l3_link: L3LinkSpec = PLACEHOLDER_L3_LINK
+    l3_link: L3LinkSpec = FLEET_L3_LINK
     l3_write: L3WriteConfig = field(default_factory=L3WriteConfig)
     fail_server: Optional[tuple] = None   # (server index, simulated time s)
 
