@@ -20,6 +20,10 @@ token. A server that returns a different prompt length than it was sent, or a di
 output tokens than forced, is answering wrongly: the bench stops with one line naming the field.
 Transport failures and 5xx/429 answers before the first token are `TransientError`s (the caller
 retries them); everything else is a `BenchError`.
+
+Every request of an agent session carries `X-SMG-Routing-Key: <its root session's id>` (subagents
+share their root's), so sglang-router's `--policy manual` keeps a whole session tree on one worker,
+where its prefix cache is; a server without a router ignores the header.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 import aiohttp
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's manual policy (sgl-model-gateway policies/manual.rs)
 
 
 class BenchError(Exception):
@@ -107,14 +113,17 @@ class _Backend:
                 return False
         return False
 
-    async def generate(self, http: aiohttp.ClientSession, token_ids: list, max_new_tokens: int) -> Completion:
+    async def generate(self, http: aiohttp.ClientSession, token_ids: list, max_new_tokens: int,
+                       routing_key: Optional[str] = None) -> Completion:
+        """Stream one request; `routing_key` (the root session's id) goes in ROUTING_KEY_HEADER."""
         url = self.url(self.generate_path)
         payload = self.payload(token_ids, max_new_tokens)
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         start = time.perf_counter()
         first_s = last_s = None
         final = None
         try:
-            async with http.post(url, json=payload) as resp:
+            async with http.post(url, json=payload, headers=headers) as resp:
                 await _raise_for_status(resp, url)
                 async for event in _sse_events(resp, url):
                     if "error" in event:
