@@ -4,13 +4,17 @@ Two real `histate serve` workers (tiny model, 2-token answers) behind a real rou
 (histate.cluster.router's flags). Each answer names the worker that served it
 (meta_info.histate.worker) and each worker counts what it served (/server_info num_requests).
 """
+import asyncio
 import json
 import time
 import urllib.error
 import urllib.request
 
-from histate.bench.backends import ROUTING_KEY_HEADER
+import aiohttp
+
+from histate.bench.backends import ROUTING_KEY_HEADER, StreamBroken, make_backend
 from histate.bench.run import BenchOptions, run_bench
+from histate.bench.sessions import RetryPolicy
 from histate.sim.replay import ReplayConfig
 from histate.sim.workloads import AgentWorkloadConfig, agent_workload
 
@@ -98,6 +102,30 @@ def test_a_killed_workers_sessions_move_and_the_others_stay(cluster):
     print(f"first request of a dead worker's session served by the live one {moved_after_s:.2f} s after "
           f"the kill; router listed the dead worker unhealthy by {unhealthy_after_s:.2f} s")
     assert {w["url"] for w in router.list_workers()} == {dead, live}  # unhealthy, still listed
+
+
+def test_a_request_streaming_from_a_killed_worker_is_resent_to_the_live_one(cluster):
+    """The router cannot retry a stream it has started forwarding: the client sees the body end early
+    (StreamBroken); histate bench's retry resends it, and the router sends it to the live worker."""
+    pool, router = cluster
+    placement = _place_sessions(router.url, pool.urls, keys_per_worker=1)
+    key = next(k for k, worker in placement.items() if worker == pool.urls[0])
+
+    async def stream_then_kill():
+        backend = make_backend("sglang", router.url)
+        retries = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            request = asyncio.ensure_future(RetryPolicy(max_attempts=2, backoff_s=0.0).call(
+                lambda: backend.generate(http, list(range(1, 50)), 300, key), retries.append))
+            await asyncio.sleep(1.0)  # 300 tokens take seconds on CPU: it is mid-stream
+            assert not request.done()
+            pool.kill(0)
+            return await request, retries
+
+    done, retries = asyncio.run(stream_then_kill())
+    assert done.completion_tokens == 300
+    assert len(retries) == 1 and isinstance(retries[0], StreamBroken), retries
+    assert _generate(router.url, key)[1] == pool.urls[1]
 
 
 def test_workers_can_be_removed_and_added_back(cluster):

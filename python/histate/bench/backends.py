@@ -19,7 +19,10 @@ TTFT is measured on the client from sending the request to the first event that 
 token. A server that returns a different prompt length than it was sent, or a different number of
 output tokens than forced, is answering wrongly: the bench stops with one line naming the field.
 Transport failures and 5xx/429 answers before the first token are `TransientError`s (the caller
-retries them); everything else is a `BenchError`.
+retries them), and so is a stream that breaks after its first token (`StreamBroken`): behind a router
+that is a worker dying mid-request, and the resent request goes to a live worker (sglang-router cannot
+retry a stream it has started forwarding; the client sees aiohttp's "Response payload is not
+completed"). The retried request is measured from its resend. Everything else is a `BenchError`.
 
 Every request of an agent session carries `X-SMG-Routing-Key: <its root session's id>` (subagents
 share their root's), so sglang-router's `--policy manual` keeps a whole session tree on one worker,
@@ -44,6 +47,10 @@ class BenchError(Exception):
 
 class TransientError(BenchError):
     """A failure that may pass when retried (connection refused or reset, timeout, 5xx, 429)."""
+
+
+class StreamBroken(TransientError):
+    """The connection broke after the first token (a worker behind a router died mid-request)."""
 
 
 @dataclass(slots=True)
@@ -137,7 +144,7 @@ class _Backend:
             what = _one_line(err) or type(err).__name__
             if first_s is None:
                 raise TransientError(f"{url}: {what}") from None
-            raise BenchError(f"{url}: stream broke after the first token: {what}") from None
+            raise StreamBroken(f"{url}: stream broke after the first token: {what}") from None
         if first_s is None:
             raise BenchError(f"{url}: the stream ended without an output token")
         done = self.completion(final, url)
