@@ -292,7 +292,7 @@ def _add_bench_parser(sub, workload_group) -> None:
                         help="token ids are drawn below this (default: the server's when it says, else 32000)")
     server.add_argument("--request-timeout", type=_number("seconds", above=0), default=600.0,
                         help="seconds per request (600)")
-    server.add_argument("--retries", type=int, default=2, help="retries of a request that failed before its first token (2)")
+    server.add_argument("--retries", type=int, default=2, help="retries of a request that failed before its first token or whose stream broke (2)")
     server.add_argument("--no-flush", action="store_true", help="do not empty the server's prefix cache first")
     cal = b.add_argument_group("calibration (instead of a workload)")
     cal.add_argument("--calibrate", type=Path, metavar="CSV", help="measure prefill latency into CSV and exit")

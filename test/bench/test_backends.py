@@ -122,6 +122,33 @@ def test_transient_failures_are_retried_then_given_up():
     assert not isinstance(info.value, TransientError)
 
 
+def test_a_stream_broken_after_its_first_token_is_retried():
+    """What a client behind sglang-router sees when the worker dies mid-stream: the chunked body ends
+    early. The request is resent (the router sends it to a live worker)."""
+    calls = []
+
+    async def dies_once(request):
+        calls.append(1)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(f"data: {json.dumps(_meta(1))}\n\n".encode())
+        if len(calls) == 1:
+            request.transport.close()  # the worker is gone: no last chunk
+            return response
+        await response.write(f"data: {json.dumps(_meta(2))}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    async def body(client, http):
+        retries = []
+        done = await RetryPolicy(max_attempts=2, backoff_s=0.0).call(
+            lambda: client.generate(http, [1, 2, 3], 2), retries.append)
+        return done, retries
+
+    done, retries = asyncio.run(_with_server(dies_once, body))
+    assert done.completion_tokens == 2 and len(calls) == 2
+    assert len(retries) == 1 and "stream broke after the first token" in str(retries[0])
+
+
 def closed_port_url():
     """A URL on a port nobody listens on (bound, then released)."""
     with socket.socket() as s:

@@ -181,6 +181,32 @@ def test_bad_json_and_flush(histate_server):
     assert _post(histate_server.url + "/generate", payload)[1]["meta_info"]["cached_tokens"] == 0
 
 
+def test_what_sglang_router_forwards_is_served_and_names_the_worker(histate_server):
+    """sglang-router 0.3.2 re-serializes /generate with these fields (seen on the wire); the answer
+    says which worker served it, as a router's worker URL names it."""
+    status, body = _post(histate_server.url + "/generate", {
+        "model": None, "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2},
+        "return_text_in_logprobs": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
+        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False})
+    assert status == 200, body
+    assert "http://" + body["meta_info"]["histate"]["worker"] == histate_server.url
+    status, body = _post(histate_server.url + "/generate", {"input_ids": [1], "model": "other"})
+    assert status == 400 and "not served here" in body["error"]["message"]
+
+
+def test_server_info_counts_requests(histate_server):
+    def server_info(path):
+        with urllib.request.urlopen(histate_server.url + path) as r:
+            return json.loads(r.read())
+
+    before = server_info("/server_info")
+    assert (before["served_model_name"], before["dp_size"], before["url"]) == \
+        ("histate-tiny-qwen3.5", 1, histate_server.url)
+    assert "model_path" not in before  # sglang-router would look a tokenizer of that name up on the hub
+    _post(histate_server.url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    assert server_info("/get_server_info")["num_requests"] == before["num_requests"] + 1
+
+
 def test_info_endpoints(histate_server):
     with urllib.request.urlopen(histate_server.url + "/get_model_info") as r:
         info = json.loads(r.read())

@@ -19,7 +19,14 @@ TTFT is measured on the client from sending the request to the first event that 
 token. A server that returns a different prompt length than it was sent, or a different number of
 output tokens than forced, is answering wrongly: the bench stops with one line naming the field.
 Transport failures and 5xx/429 answers before the first token are `TransientError`s (the caller
-retries them); everything else is a `BenchError`.
+retries them), and so is a stream that breaks after its first token (`StreamBroken`): behind a router
+that is a worker dying mid-request, and the resent request goes to a live worker (sglang-router cannot
+retry a stream it has started forwarding; the client sees aiohttp's "Response payload is not
+completed"). The retried request is measured from its resend. Everything else is a `BenchError`.
+
+Every request of an agent session carries `X-SMG-Routing-Key: <its root session's id>` (subagents
+share their root's), so sglang-router's `--policy manual` keeps a whole session tree on one worker,
+where its prefix cache is; a server without a router ignores the header.
 """
 from __future__ import annotations
 
@@ -31,6 +38,8 @@ from typing import AsyncIterator, Optional
 
 import aiohttp
 
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's manual policy (sgl-model-gateway policies/manual.rs)
+
 
 class BenchError(Exception):
     """A fatal, one-line problem: bad flags, an unreachable server, a wrong answer."""
@@ -38,6 +47,10 @@ class BenchError(Exception):
 
 class TransientError(BenchError):
     """A failure that may pass when retried (connection refused or reset, timeout, 5xx, 429)."""
+
+
+class StreamBroken(TransientError):
+    """The connection broke after the first token (a worker behind a router died mid-request)."""
 
 
 @dataclass(slots=True)
@@ -107,14 +120,17 @@ class _Backend:
                 return False
         return False
 
-    async def generate(self, http: aiohttp.ClientSession, token_ids: list, max_new_tokens: int) -> Completion:
+    async def generate(self, http: aiohttp.ClientSession, token_ids: list, max_new_tokens: int,
+                       routing_key: Optional[str] = None) -> Completion:
+        """Stream one request; `routing_key` (the root session's id) goes in ROUTING_KEY_HEADER."""
         url = self.url(self.generate_path)
         payload = self.payload(token_ids, max_new_tokens)
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         start = time.perf_counter()
         first_s = last_s = None
         final = None
         try:
-            async with http.post(url, json=payload) as resp:
+            async with http.post(url, json=payload, headers=headers) as resp:
                 await _raise_for_status(resp, url)
                 async for event in _sse_events(resp, url):
                     if "error" in event:
@@ -128,7 +144,7 @@ class _Backend:
             what = _one_line(err) or type(err).__name__
             if first_s is None:
                 raise TransientError(f"{url}: {what}") from None
-            raise BenchError(f"{url}: stream broke after the first token: {what}") from None
+            raise StreamBroken(f"{url}: stream broke after the first token: {what}") from None
         if first_s is None:
             raise BenchError(f"{url}: the stream ended without an output token")
         done = self.completion(final, url)

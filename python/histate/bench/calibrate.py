@@ -7,7 +7,8 @@ For each (context, new tokens) point of a grid, with fresh random token ids ever
 The probe's TTFT is the latency of prefilling `L - cached` tokens on `cached` reused ones, where
 `cached` is what the server reports (a server that reuses less than `context` is recorded as it is),
 including everything a real request pays: HTTP, queueing (none: probes run one at a time), restore.
-Its later tokens give the time per decode step.
+Its later tokens give the time per decode step. Primer and probe share a routing key
+(backends.ROUTING_KEY_HEADER), so a router with session affinity sends both to one worker.
 
 Output: `PrefillProfile`'s CSV (num_tokens, context_num_tokens, latency_s; histate/sim/costs.py) with
 extra columns it ignores: decode_step_s, cached_tokens, prompt_tokens.
@@ -40,10 +41,11 @@ async def measure(backend, http: aiohttp.ClientSession, vocab_size: int, context
         for context in contexts:
             for new in lengths:
                 prefix = rng.choices(range(vocab_size), k=context + 1)
+                key = f"calibrate/{rep}/{context}/{new}"  # primer and probe on one worker behind a router
                 if context:
-                    await retry.call(lambda: backend.generate(http, prefix, 1))
+                    await retry.call(lambda: backend.generate(http, prefix, 1, key))
                 prompt = prefix[:context] + rng.choices(range(vocab_size), k=new)
-                done = await retry.call(lambda: backend.generate(http, prompt, decode_tokens))
+                done = await retry.call(lambda: backend.generate(http, prompt, decode_tokens, key))
                 cached = done.cached_tokens or 0
                 step_s = (done.latency_s - done.ttft_s) / (decode_tokens - 1) if decode_tokens > 1 else float("nan")
                 rows.append((len(prompt) - cached, cached, done.ttft_s, step_s, done.cached_tokens, len(prompt)))

@@ -8,6 +8,9 @@ The rules are the replay driver's (histate/sim/replay.py), executed with real wa
   its `after_sessions`;
 * a subagent is released when its parent's request `spawn_after_index` completes (-1: with its parent).
 
+Every request is sent with its root session's id as routing key (backends.ROUTING_KEY_HEADER): a
+router with session affinity keeps the whole tree, subagents included, on the worker holding its prefix.
+
 One record per completed request, in the replay's `RequestRecord` (times in seconds since the run
 started): arrival = when the request was sent, first token and completion as the client saw them,
 and the request's position in its session (`session_index`: the report's non-first percentiles
@@ -113,31 +116,31 @@ class ClosedLoop:
     async def _run_tree(self, root, slots: asyncio.Semaphore) -> None:
         try:
             done = {s.session_id: asyncio.Event() for s in root.iter_sessions()}
-            await self._run_session(root, done)
+            await self._run_session(root, done, root.session_id)
         finally:
             slots.release()
 
-    async def _run_session(self, session, done: dict) -> None:
+    async def _run_session(self, session, done: dict, root_id: str) -> None:
         children = defaultdict(list)
         for child in session.subagents:
             children[child.spawn_after_index].append(child)
-        spawned = [self._spawn(self._run_session(c, done)) for c in children.pop(-1, [])]
+        spawned = [self._spawn(self._run_session(c, done, root_id)) for c in children.pop(-1, [])]
         for index, req in enumerate(session.requests):
             for child_id in req.after_sessions:
                 await done[child_id].wait()
             await asyncio.sleep(req.gap_before_s)
-            await self._send(req)
-            spawned += [self._spawn(self._run_session(c, done)) for c in children.pop(index, [])]
+            await self._send(req, root_id)
+            spawned += [self._spawn(self._run_session(c, done, root_id)) for c in children.pop(index, [])]
         done[session.session_id].set()  # its own requests are done (what after_sessions waits for)
         await asyncio.gather(*spawned)  # the tree's slot frees when every descendant is done too
 
-    async def _send(self, req) -> None:
+    async def _send(self, req, routing_key: str) -> None:
         token_ids = self.prompts.prompt(req)
         sent = []
 
         async def attempt():
             sent.append(self.now_s())
-            return await self.backend.generate(self.http, token_ids, req.output_num_tokens)
+            return await self.backend.generate(self.http, token_ids, req.output_num_tokens, routing_key)
 
         def count_retry(err):
             self.num_retries += 1

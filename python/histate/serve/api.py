@@ -106,6 +106,10 @@ _GENERATE_FIELDS = {
     "lora_path": _neutral(), "return_hidden_states": _neutral(False), "return_routed_experts": _neutral(False),
     "custom_logit_processor": _neutral(), "image_data": _neutral(), "audio_data": _neutral(),
     "video_data": _neutral(), "session_params": _neutral(),
+    # What sglang-router 0.3.2 adds to every /generate it forwards (seen on the wire): logging switches
+    # with no effect here, and off-by-default features.
+    "log_metrics": _BOOL, "no_logs": _BOOL, "background": _neutral(False), "return_bytes": _neutral(False),
+    "return_entropy": _neutral(False),
 }
 
 # OpenAI's completions request (and SGLang's / vLLM's extensions of it), less prompt, model,
@@ -196,9 +200,17 @@ def _rid(value) -> Optional[str]:
 
 # --- the two endpoints -------------------------------------------------------------------------
 
+def _check_model(body: dict) -> None:
+    model = body.get("model")
+    if model is not None and model != MODEL_NAME:
+        raise BadRequest(f"model {model!r} is not served here; the only model is {MODEL_NAME!r} (GET /v1/models)")
+
+
 def parse_generate(body: dict, limits: Limits) -> GenerateCall:
-    """SGLang's `POST /generate`: `text` or `input_ids`, `sampling_params`, `stream`, `rid`."""
-    _check_fields(body, _GENERATE_FIELDS, ("text", "input_ids", "sampling_params", "stream", "rid"))
+    """SGLang's `POST /generate`: `text` or `input_ids`, `sampling_params`, `stream`, `rid`, and `model`
+    (null or this server's: sglang-router forwards `"model": null`)."""
+    _check_fields(body, _GENERATE_FIELDS, ("text", "input_ids", "sampling_params", "stream", "rid", "model"))
+    _check_model(body)
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
     if has_text == has_ids:
         raise BadRequest("give exactly one of text and input_ids")

@@ -11,6 +11,12 @@
                          `stream_options.include_usage`; one chunk per token with that token's text;
                          usage.prompt_tokens_details.cached_tokens
   GET  /v1/models, /model_info (and /get_model_info), /health;  POST /flush_cache (empties every tier)
+  GET  /server_info (and /get_server_info)  SGLang's server facts sglang-router reads when it adds a
+                         worker (served_model_name, dp_size), plus this worker's `url` and `num_requests`
+                         (requests it has started) -- how a cluster test sees where a router sent what
+
+Every /generate answer's meta_info.histate also names the `worker` (the host:port the request came in
+on), so a client behind a router sees which worker served it.
 
 Text is the reference tokenizer's (histate/reference/tokenizer.py: one character per token), so every
 streamed token carries non-empty text -- what SGLang's and OpenAI's clients stamp TTFT on. Which
@@ -35,15 +41,18 @@ from .api import MODEL_NAME, BadRequest, GenerateCall, Limits, parse_completion,
 from .engine import Job, ServingEngine
 
 ENGINE = web.AppKey("engine", ServingEngine)
+COUNTS = web.AppKey("counts", dict)    # num_requests: /generate and /v1/completions calls started
 _ids = itertools.count()
 
 
 def build_app(engine: ServingEngine) -> web.Application:
     app = web.Application(client_max_size=64 * 2**20)
     app[ENGINE] = engine
+    app[COUNTS] = {"num_requests": 0}
     app.add_routes([
         web.post("/generate", _generate), web.post("/v1/completions", _completions),
         web.get("/v1/models", _models), web.get("/model_info", _model_info), web.get("/get_model_info", _model_info),
+        web.get("/server_info", _server_info), web.get("/get_server_info", _server_info),
         web.get("/health", _health), web.post("/flush_cache", _flush),
     ])
     return app
@@ -96,6 +105,7 @@ async def _run(request: web.Request, call: GenerateCall, fmt) -> web.StreamRespo
     """Submit the job and answer: an event per token when streaming, one JSON object otherwise.
     `fmt(job, call, output_ids, cached_tokens, done)` -> the payloads to send."""
     engine = request.app[ENGINE]
+    request.app[COUNTS]["num_requests"] += 1
     job = _Stream(engine, call)
     response: Optional[web.StreamResponse] = None
     output_ids: list = []
@@ -142,7 +152,13 @@ def _cached_tokens_details(done: dict) -> dict:
 
 # --- SGLang /generate ----------------------------------------------------------------------------
 
-def _sglang_payloads(tokenizer):
+def _worker_address(request: web.Request) -> str:
+    """host:port this request came in on: the worker's name as a router's worker URL has it."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    return f"{sockname[0]}:{sockname[1]}" if sockname else ""
+
+
+def _sglang_payloads(tokenizer, worker: str):
     def fmt(job: _Stream, call: GenerateCall, output_ids, cached_tokens, done: Optional[dict]) -> list:
         meta = {"id": job.rid, "finish_reason": None, "prompt_tokens": len(call.token_ids),
                 "completion_tokens": len(output_ids), "cached_tokens": cached_tokens,
@@ -153,6 +169,7 @@ def _sglang_payloads(tokenizer):
                 meta["cached_tokens_details"] = _cached_tokens_details(done)
             meta["histate"] = {k: done[k] for k in ("kv_hit_tokens", "checkpoint_tier", "planned_checkpoint_pages",
                                                     "queue_s", "serve_s")}
+            meta["histate"]["worker"] = worker
         return [{"text": tokenizer.decode(output_ids), "output_ids": list(output_ids), "meta_info": meta}]
 
     return fmt
@@ -164,7 +181,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         call = parse_generate(await _json_body(request), _limits(engine))
     except BadRequest as err:
         return _error(str(err))
-    return await _run(request, call, _sglang_payloads(engine.tokenizer))
+    return await _run(request, call, _sglang_payloads(engine.tokenizer, _worker_address(request)))
 
 
 # --- OpenAI /v1/completions ----------------------------------------------------------------------
@@ -213,6 +230,19 @@ async def _models(request: web.Request) -> web.Response:
 async def _model_info(request: web.Request) -> web.Response:
     """SGLang's /model_info fields (model_path, tokenizer_path, is_generation) plus histate serve's own."""
     return web.json_response({**request.app[ENGINE].info(), "served_model_name": MODEL_NAME})
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    """SGLang's /server_info keys that sglang-router reads (discover_metadata.rs: served_model_name
+    names the worker's model in the router; dp_size 1 = not data-parallel) and this worker's counters.
+    No `model_path`: the router would try to fetch a tokenizer of that name from the Hugging Face hub
+    (register_tokenizer.rs); `tokenizer_path` is a local directory it does not read from here."""
+    engine = request.app[ENGINE]
+    return web.json_response({
+        "served_model_name": MODEL_NAME, "tokenizer_path": str(engine.tokenizer_dir), "dp_size": 1,
+        "max_running_requests": 1, "max_context_num_tokens": engine.config.max_context_num_tokens,
+        "histate_policy": engine.config.policy, "url": f"http://{_worker_address(request)}",
+        "num_requests": request.app[COUNTS]["num_requests"]})
 
 
 async def _health(request: web.Request) -> web.Response:
