@@ -343,6 +343,30 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--check-mirror", action="store_true",
                    help="after every request, check that each tier holds exactly what the policy placed there")
 
+    k = sub.add_parser("cluster", help="a loopback fleet: Mooncake L3, N histate serve workers, sglang-router; "
+                                       "kills a worker mid-run and reports what failover costs",
+                       description="Starts a Mooncake master and store service, N `histate serve` workers sharing "
+                                   "it as L3, and sglang-router --policy manual in front, all on 127.0.0.1; sends "
+                                   "the synthetic agent workload through the router three times (L3 without "
+                                   "failure, L3 with worker K killed mid-run, no L3 with the same kill) and "
+                                   "prints per-worker hit rates and the moved sessions' next requests. Stops "
+                                   "everything it started (docs/scaleout.md).")
+    k.add_argument("--workers", type=_number("workers", at_least=2, integer=True), default=2, help="workers (2)")
+    k.add_argument("--sessions", type=_number("sessions", at_least=1, integer=True), default=8,
+                   help="agent sessions of the synthetic workload (8)")
+    k.add_argument("--turns", type=_number("turns", at_least=2, integer=True), default=4, help="turns per session (4)")
+    k.add_argument("--max-live-sessions", type=_number("sessions", at_least=1, integer=True), default=4,
+                   help="sessions in flight at once (4)")
+    k.add_argument("--kill-worker", type=_number("", at_least=0, integer=True), default=0,
+                   help="index of the worker SIGKILLed mid-run (0)")
+    k.add_argument("--kill-after", type=_number("", above=0, at_most=0.99), default=0.5,
+                   help="fraction of the requests completed when it dies (0.5)")
+    k.add_argument("--l3-mib", type=_number("MiB", at_least=16), default=512.0,
+                   help="the store service's segment (the whole L3), MiB (512)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--out", type=Path, default=Path("out/cluster"), help="report.md, summary.json, requests.csv, logs")
+    k.add_argument("--no-progress", action="store_true")
+
 
 def resolve_workload_settings(args, model_name: str) -> dict:
     """The workload settings of this run: each flag given, else the preset's value, else the native
@@ -683,10 +707,52 @@ def serve_command(args) -> int:
     return 0
 
 
+def cluster_workload(args):
+    """The agent workload `histate cluster` sends: short contexts so a CPU worker serves a turn in well
+    under a second, and no idle gaps (what moves a session here is the kill, not time)."""
+    from .sim.workloads import AgentWorkloadConfig, agent_workload
+
+    return agent_workload(AgentWorkloadConfig(
+        num_sessions=args.sessions, num_turns=args.turns, system_prompt_num_tokens=256,
+        first_input_num_tokens=(256, 512), append_num_tokens=(64, 192), output_num_tokens=(2, 4),
+        tool_gap_s=(0.0, 0.05), human_gap_probability=0.0, session_start_spread_s=0.1, truncation_rate=0.0,
+        rewind_edit_rate=0.0, fork_rate=0.0, compaction_rate=0.0, seed=args.seed), name="synthetic:cluster")
+
+
+def cluster_command(args) -> int:
+    from .cluster.run import ClusterOptions, format_report, run_cluster, summarize, write_report
+    from .l3.services import unavailable_reason
+
+    try:
+        options = ClusterOptions(num_workers=args.workers, kill_worker=args.kill_worker,
+                                 kill_after_fraction=args.kill_after, max_live_sessions=args.max_live_sessions,
+                                 seed=args.seed, l3_segment_bytes=int(args.l3_mib * 2**20),
+                                 progress=not args.no_progress)
+    except ValueError as err:
+        print(f"histate cluster: error: {err}", file=sys.stderr)
+        return 2
+    reason = unavailable_reason()
+    if reason:
+        print(f"histate cluster: error: {reason}", file=sys.stderr)
+        return 2
+    from .cluster.router import router_executable
+
+    if router_executable() is None:
+        print("histate cluster: error: sglang-router is not installed (make venv installs it)", file=sys.stderr)
+        return 2
+    workload = cluster_workload(args)
+    runs = run_cluster(workload, options, args.out / "logs")
+    summary = summarize(runs)
+    write_report(summary, runs, args.out)
+    print(format_report(summary))
+    print(f"wrote {args.out}/report.md, summary.json, requests.csv")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     commands = {"replay": replay_command, "bench": bench_command, "compare": compare_command,
-                "serve": serve_command}
+                "serve": serve_command, "cluster": cluster_command}
     return commands[args.command](args)
 
 

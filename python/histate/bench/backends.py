@@ -61,6 +61,8 @@ class Completion:
     completion_tokens: int
     cached_tokens: Optional[int]    # reused prompt tokens; None when the server does not say
     kv_hit_tokens: Optional[int] = None  # histate's KV match (>= cached), when the server reports it
+    server: Optional[str] = None         # the worker that served it (histate serve names itself)
+    l3_hit_tokens: Optional[int] = None  # of cached_tokens, those read from the shared L3 store
 
 
 @dataclass(slots=True)
@@ -185,9 +187,10 @@ class SGLangBackend(_Backend):
                 raise BenchError(f"{url}: meta_info.{field} is {value!r}, expected a count")
             values[field] = value
         histate = meta.get("histate") if isinstance(meta.get("histate"), dict) else {}
-        kv_hit = histate.get("kv_hit_tokens")
+        kv_hit, l3_hit, worker = histate.get("kv_hit_tokens"), histate.get("l3_cached_tokens"), histate.get("worker")
         return Completion(0.0, 0.0, values["prompt_tokens"], values["completion_tokens"], values["cached_tokens"],
-                          kv_hit if isinstance(kv_hit, int) else None)
+                          kv_hit if isinstance(kv_hit, int) else None,
+                          worker if isinstance(worker, str) else None, l3_hit if isinstance(l3_hit, int) else None)
 
     async def server_info(self, http: aiohttp.ClientSession) -> ServerInfo:
         info = await self._get_json(http, "/get_model_info")

@@ -22,7 +22,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -52,6 +52,7 @@ class BenchOptions:
     connect_timeout_s: float = 10.0
     flush_cache: bool = True
     progress: bool = True
+    on_record: Optional[Callable] = None     # called with each completed RequestRecord (histate cluster's failure trigger)
 
 
 @dataclass
@@ -166,6 +167,8 @@ class _RunState:
         return (self.info.policy if self.info and self.info.policy else None) or "live"
 
     def _on_request_done(self, record) -> None:
+        if self.options.on_record is not None:
+            self.options.on_record(record)
         if self.bar is None:
             return
         self.bar.update()

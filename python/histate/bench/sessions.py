@@ -153,6 +153,7 @@ class ClosedLoop:
         kv_hit = done.kv_hit_tokens if done.kv_hit_tokens is not None else reused
         record = RequestRecord(req.uid, req.session_id, int(req.flags), arrival_s, len(token_ids), kv_hit, reused,
                                math.nan, arrival_s + done.ttft_s, arrival_s + done.latency_s,
-                               session_index=req.index)
+                               session_index=req.index, server=done.server or "",
+                               l3_hit_tokens=done.l3_hit_tokens or 0)
         self.records.append(record)
         self.on_request_done(record)

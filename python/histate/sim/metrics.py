@@ -35,6 +35,8 @@ class RequestRecord:
     first_token_s: float = math.nan
     completion_s: float = math.nan
     session_index: int = 0  # position of the request in its session (0: the session's first, cold)
+    server: str = ""        # which server served it, where there are several (live: the worker's URL)
+    l3_hit_tokens: int = 0  # of reused_tokens, those restored from the shared L3 store
 
     @property
     def ttft_s(self) -> float:
