@@ -12,19 +12,22 @@ Read rule (SGLang's `PoolHitPolicy.TRAILING_PAGES` for the Mamba pool, hicache_s
 of p pages is restorable iff KV pages [0, p) are all present and the recurrent state keyed by page
 p-1 (the state at the prefix's end) is present. KV without a state at its end is no resume point.
 
-Write rule: after a request, its *terminal bundle* -- the KV pages [0, d) and the state at d, where
-d is the deepest checkpoint the server holds for this request -- goes to L3, minus the pages this
-server already wrote. Why only the terminal bundle: a session that moves to another server resumes
-from its latest turn's end (the terminal-hit mass q of eq. 5 is most of an agent trace's reuse),
-and the KV pages of that bundle are also every earlier turn's prefix, so interior positions of the
-same path still hit their KV in L3 and recompute only from the nearest state a reader holds.
-Interior checkpoints stay private (their eq. 7 value is local: tau*C/M with C counted against this
-server's tiers).
+Write rule: after a request, its path goes through to L3 -- KV pages [0, d), where d is the
+deepest checkpoint the server holds on the request's path, and every state the server holds on
+that path -- minus what this server already wrote. Eq. 7 has already decided which of those states
+exist: L3 never receives a state HiState's own tiers did not keep, and KV past the deepest state is
+not written (the read rule makes it useless). Why all held states and not only the deepest: the
+SGLang plugin writes through what HiState backs up node by node, and a backup cannot tell an
+interior state from the terminal one (sglang_plugin/l3_tier.py); the reference worker and the
+simulator follow the plugin so that one rule is measured everywhere. Interior states in L3 are
+what a moved session resumes from after it rewinds or edits its last turn.
 
 Placement hints (Mooncake `ReplicateConfig`; the master may ignore or outlive them, so they are
 hints, never correctness):
-  * the terminal state and its page are soft-pinned with a TTL: the live session's latest state is
-    the object most likely to be read next (eq. 7's recency term at its maximum);
+  * the deepest state and its page are soft-pinned with a TTL: the live session's latest state is
+    the object most likely to be read next (eq. 7's recency term at its maximum). The plugin cannot
+    pass pins through SGLang's MooncakeStore (it builds its own ReplicateConfig), so there the
+    master's LRU alone decides;
   * pages of a prefix reached by more than one session (`shared_pages`) get `shared_replicas`
     copies: a system prompt lost with one segment costs every session;
   * a page's KV objects and its state share one group id (the page), so they leave together and
@@ -69,28 +72,27 @@ class L3Put:
 def plan_l3_writes(num_pages: int, state_depths: Sequence[int], already_written: Callable[[int], bool],
                    shared_pages: int, config: L3WriteConfig,
                    state_already_written: Callable[[int], bool] = lambda page: False) -> list[L3Put]:
-    """The puts for one finished request of `num_pages` full pages.
+    """The puts for one finished request of `num_pages` full pages, in page order.
 
     `state_depths`: depths in pages (1..num_pages) at which this server holds a checkpoint of the
-    request's path after the request; the deepest one ends the terminal bundle. `already_written(i)`:
+    request's path after the request; a state at depth d is keyed by page d-1. `already_written(i)`:
     page i's KV is known to be in L3 from this server's own earlier puts, `state_already_written(i)`
     the same for the state keyed by page i. Both are hints: re-putting is harmless, while skipping a
     page the master has evicted leaves the bundle unrestorable, so a caller forgets the pages it
-    reads back as missing. `shared_pages`: leading pages reached by another
-    session too.
+    reads back as missing. `shared_pages`: leading pages reached by another session too.
     """
     if not config.enabled or num_pages <= 0:
         return []
-    depths = [d for d in state_depths if 0 < d <= num_pages]
-    if not depths:
+    state_pages = {d - 1 for d in state_depths if 0 < d <= num_pages}
+    if not state_pages:
         return []
-    terminal = max(depths)
+    deepest = max(state_pages)
     puts = []
-    for page in range(terminal):
-        is_end = page == terminal - 1
-        if already_written(page) and (not is_end or state_already_written(page)):
+    for page in range(deepest + 1):
+        with_state = page in state_pages
+        if already_written(page) and (not with_state or state_already_written(page)):
             continue
-        puts.append(L3Put(page_index=page, with_state=is_end, soft_pin=is_end,
+        puts.append(L3Put(page_index=page, with_state=with_state, soft_pin=page == deepest,
                           replicas=config.shared_replicas if page < shared_pages else 1,
                           group_id_page=page))
     return puts
