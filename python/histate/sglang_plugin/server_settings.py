@@ -162,14 +162,15 @@ def check_l3(extra: dict, config: HiStateConfig, environ: Optional[dict] = None)
     MooncakeStore looks for one (extra config keys, else the config file variable, else MOONCAKE_*)."""
     if config.l3 != "mooncake":
         return
+    name = "HISTATE_L3=mooncake" if config.sources.get("l3") == "env" else "--histate-l3 mooncake"
     reason = mooncake_unavailable_reason()
     if reason:
-        raise HiStateConfigError(f"--histate-l3 mooncake: {reason}")
+        raise HiStateConfigError(f"{name}: {reason}")
     environ = os.environ if environ is None else environ
     if not any(extra.get(k) for k in MOONCAKE_MASTER_KEYS) and not any(
             str(environ.get(v, "")).strip() for v in MOONCAKE_ENV_VARS):
         raise HiStateConfigError(
-            "--histate-l3 mooncake: no Mooncake master configured; give --hicache-storage-backend-extra-config "
+            f"{name}: no Mooncake master configured; give --hicache-storage-backend-extra-config "
             "'{\"master_server_address\": \"HOST:PORT\", ...}' or set MOONCAKE_MASTER (or MOONCAKE_CLIENT, "
             "or SGLANG_HICACHE_MOONCAKE_CONFIG_PATH), as for SGLang's mooncake backend")
 
