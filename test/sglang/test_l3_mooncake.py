@@ -327,3 +327,62 @@ def test_a_killed_store_service_is_a_miss_and_ssd_still_serves_then_writes_resum
     assert [pb.page_bytes(dest_b, i) for i in range(2)] == [pa.page_bytes(idx_new, i) for i in range(2)]
     assert a.l3.down_events >= 1 and a.get_stats()["l3_errors"] == 0
     a.close()
+
+
+# --- end to end through SGLang's HiCache (controller, backup thread, prefetch) -----------------------
+
+def _tiered_cache(tmp_path, name, pools):
+    from histate.sglang_plugin.config import resolve_config
+    from histate.sglang_plugin.server_settings import storage_extra_config
+
+    from sglang_cpu.hicache import build_hicache as build
+    from sglang_cpu.pools import PAGE, ManualClock
+
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / f"ssd-{name}")], "ssd_backend": "file",
+                             "ssd_size_bytes": "64MiB", "l3": "mooncake"}, {})
+    extra = storage_extra_config(None, config)
+    extra["prefetch_threshold"] = PAGE  # SGLang's default (256 tokens) is longer than these prompts
+    return build("histate", pools, histate_config=config, storage_extra=extra, clock=ManualClock(1.0))
+
+
+def test_sglang_backs_up_to_l3_and_a_fresh_server_restores_from_it(mooncake, monkeypatch, tmp_path):
+    """Server A serves a prompt: SGLang's backup thread calls HiState's batch_set_v1 / batch_set_v2
+    (interface_v1), which write the SSD and L3. Server C, empty SSD, same prompt: SGLang's prefetch
+    asks batch_exists_v2 and reads through batch_get_v1 / batch_get_v2 from L3."""
+    from sglang_cpu.hicache import TieredDriver, drain_backups
+    from sglang_cpu.pools import PAGE, Driver
+
+    _use(mooncake, monkeypatch)
+    tokens = [7000 + i + 1000 * (uuid.uuid4().int % 1000) for i in range(8 * PAGE)]
+    pools_a = build_pools(1024, 8)
+    cache_a = _tiered_cache(tmp_path, "a", pools_a)
+    Driver(cache_a, pools_a).serve(tokens, [4 * PAGE, 8 * PAGE])
+    drain_backups(cache_a)
+    backend_a = cache_a.histate.ssd_tier.backend
+    stats_a = backend_a.get_stats()
+    assert stats_a["l3_written_bytes"] > 0 and stats_a["l3_errors"] == 0
+
+    pools_c = build_pools(1024, 8)
+    cache_c = _tiered_cache(tmp_path, "c", pools_c)
+    backend_c = cache_c.histate.ssd_tier.backend
+    assert not list(backend_c.store.keys())  # C's SSD is empty
+    reused = TieredDriver(cache_c, pools_c).admit(tokens + [1])  # a new token after the 8 cached pages
+    stats_c = backend_c.get_stats()
+    assert (stats_c["l3_hits"], stats_c["l3_misses"], stats_c["l3_errors"]) == (9, 0, 0)  # 8 KV pages + the state
+    assert reused == 8 * PAGE
+
+
+def test_l3_metrics_are_exported_with_sglang_labels(sglang_plugins):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from histate.sglang_plugin.metrics import HiStateMetrics
+
+    registry = CollectorRegistry()
+    metrics = HiStateMetrics({"tp_rank": "0"}, export=True, registry=registry)
+    metrics.record_l3_io(hits=3, misses=1, read_bytes=4096, written_bytes=8192)
+    text = generate_latest(registry).decode()
+    for line in ('sglang:histate_l3_pages_total{result="hit",tp_rank="0"} 3.0',
+                 'sglang:histate_l3_pages_total{result="miss",tp_rank="0"} 1.0',
+                 'sglang:histate_l3_read_bytes_total{tp_rank="0"} 4096.0',
+                 'sglang:histate_l3_written_bytes_total{tp_rank="0"} 8192.0'):
+        assert line in text, line
