@@ -370,6 +370,8 @@ def test_sglang_backs_up_to_l3_and_a_fresh_server_restores_from_it(mooncake, mon
     stats_c = backend_c.get_stats()
     assert (stats_c["l3_hits"], stats_c["l3_misses"], stats_c["l3_errors"]) == (9, 0, 0)  # 8 KV pages + the state
     assert reused == 8 * PAGE
+    cache_c.sanity_check()
+    cache_c.histate.victims.check_offered()
 
 
 def test_l3_metrics_are_exported_with_sglang_labels(sglang_plugins):
