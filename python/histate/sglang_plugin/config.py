@@ -26,6 +26,7 @@ CONFIG_ATTR = "_histate_config"
 DEVICE_POOL_CHOICES = ("unified", "static")
 SSD_BACKEND_CHOICES = ("auto", "nixl", "file")
 CHUNK_ALIGN_CHOICES = ("grid", "off")
+L3_CHOICES = ("off", "mooncake")
 
 
 class HiStateConfigError(ValueError):
@@ -135,8 +136,15 @@ def _section_backend(value: Any, *, option: str) -> str:
     return value
 
 
+def _section_l3(value: Any, *, option: str) -> str:
+    if value not in L3_CHOICES:
+        raise HiStateConfigError(f"{option}: l3 must be one of {', '.join(L3_CHOICES)}, got {value!r}")
+    return value
+
+
 _SECTION_FIELDS: dict[str, Callable[..., Any]] = {
     "ssd_dirs": _section_dirs, "ssd_size_bytes": _section_size, "io_backend": _section_backend,
+    "l3": _section_l3,
 }
 
 
@@ -264,6 +272,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("ssd_backend", "--histate-ssd-backend", "HISTATE_SSD_BACKEND", _choice(SSD_BACKEND_CHOICES),
            choices=SSD_BACKEND_CHOICES,
            help="SSD I/O engine: 'nixl' (NIXL POSIX), 'file' (plain files, same format) or 'auto'."),
+    Option("l3", "--histate-l3", "HISTATE_L3", _choice(L3_CHOICES), choices=L3_CHOICES,
+           help="Shared L3 under the SSD tier: 'mooncake' reads pages and states the SSD lacks from a "
+                "Mooncake Store shared with other servers, and writes what HiState backs up to it too, "
+                "with SGLang's own MooncakeStore (stock keys and bytes: stock SGLang servers on the same "
+                "store read them). The master comes from SGLang's Mooncake configuration: "
+                "--hicache-storage-backend-extra-config keys (master_server_address, ...), "
+                "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH, or MOONCAKE_MASTER / MOONCAKE_CLIENT. Needs "
+                "--histate-ssd-dir. 'off' (default): no L3."),
     Option("chunk_align", "--histate-chunk-align", "HISTATE_CHUNK_ALIGN", _choice(CHUNK_ALIGN_CHOICES),
            choices=CHUNK_ALIGN_CHOICES,
            help="Chunked-prefill cuts: 'grid' (default) floors each cut to the 64-token state grid, so "
@@ -304,6 +320,7 @@ class HiStateConfig:
     device_pool: str = "unified"
     ssd_backend: str = "auto"
     chunk_align: str = "grid"
+    l3: str = "off"
     restore_costs: tuple[float, float] = (DEFAULT_RESTORE_COST_TOKENS[Tier.CPU], DEFAULT_RESTORE_COST_TOKENS[Tier.SSD])
     short_prefill_first: bool = False
     short_prefill_max_yields: int = DEFAULT_MAX_YIELDS
@@ -368,6 +385,9 @@ def resolve_config(
         raise HiStateConfigError("--histate-short-prefill-max-yields needs --histate-short-prefill-first")
     if config.ssd_size_bytes and not config.ssd_dirs:
         raise HiStateConfigError("--histate-ssd-size needs --histate-ssd-dir (no SSD directory given)")
+    if config.l3 != "off" and not config.ssd_dirs:
+        raise HiStateConfigError("--histate-l3 needs --histate-ssd-dir: the L3 tier sits under HiState's SSD "
+                                 "backend (no SSD directory given)")
     return config
 
 

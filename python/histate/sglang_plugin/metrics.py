@@ -13,6 +13,9 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_evictions_total{unit,tier}     eviction decisions by unit (checkpoint | bundle) and tier
   sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
   sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
+  sglang:histate_l3_pages_total{result}         pages and states looked up in the shared L3 (hit | miss)
+  sglang:histate_l3_read_bytes_total            bytes read from the shared L3 (--histate-l3)
+  sglang:histate_l3_written_bytes_total         bytes written to the shared L3
   sglang:histate_prefill_chunk_cuts_total{kind} chunked-prefill cuts floored to the state grid
   sglang:histate_short_prefill_passes_total{result} passes of a long chunked prefill under
                                                 --histate-short-prefill-first: capped (short ones went first)
@@ -76,6 +79,10 @@ class HiStateMetrics:
                 ("unit", "tier"))
         counter("ssd_read_bytes_total", "Bytes read from HiState's SSD tier.")
         counter("ssd_written_bytes_total", "Bytes written to HiState's SSD tier.")
+        counter("l3_pages_total", "KV pages and states read from the shared L3 (--histate-l3): 'hit' (loaded, "
+                "exact size) or 'miss' (absent, evicted, a fault or a dead store service).", ("result",))
+        counter("l3_read_bytes_total", "Bytes read from the shared L3 tier.")
+        counter("l3_written_bytes_total", "Bytes written to the shared L3 tier.")
         counter("prefill_chunk_cuts_total", "Chunked-prefill cuts floored to the state grid so the next pass "
                 "captures its planned checkpoints (no pass is added).", ("kind",))
         counter("short_prefill_passes_total", "Passes of a long chunked prefill under short-prefill-first: "
@@ -115,6 +122,16 @@ class HiStateMetrics:
             self._inc("ssd_read_bytes_total", read_bytes)
         if written_bytes:
             self._inc("ssd_written_bytes_total", written_bytes)
+
+    def record_l3_io(self, *, hits: int = 0, misses: int = 0, read_bytes: int = 0, written_bytes: int = 0) -> None:
+        if hits:
+            self._inc("l3_pages_total", hits, result="hit")
+        if misses:
+            self._inc("l3_pages_total", misses, result="miss")
+        if read_bytes:
+            self._inc("l3_read_bytes_total", read_bytes)
+        if written_bytes:
+            self._inc("l3_written_bytes_total", written_bytes)
 
     def record_restore(self, *, ok: bool) -> None:
         self._inc("ssd_restores_total", 1, result="ok" if ok else "miss")

@@ -144,6 +144,37 @@ def load_extra_config(value: Optional[str]) -> dict:
     return parsed
 
 
+MOONCAKE_MASTER_KEYS = ("master_server_address", "client_server_address")
+MOONCAKE_ENV_VARS = ("MOONCAKE_MASTER", "MOONCAKE_CLIENT", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH")
+
+
+def mooncake_unavailable_reason() -> Optional[str]:
+    """Why SGLang's MooncakeStore cannot be built here (None when `mooncake.store` imports)."""
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except Exception as exc:  # ImportError, or a missing libibverbs.so.1 (OSError)
+        return f"mooncake.store does not import ({exc}); install mooncake-transfer-engine"
+    return None
+
+
+def check_l3(extra: dict, config: HiStateConfig, environ: Optional[dict] = None) -> None:
+    """--histate-l3 mooncake needs Mooncake importable and a master configured the way SGLang's
+    MooncakeStore looks for one (extra config keys, else the config file variable, else MOONCAKE_*)."""
+    if config.l3 != "mooncake":
+        return
+    name = "HISTATE_L3=mooncake" if config.sources.get("l3") == "env" else "--histate-l3 mooncake"
+    reason = mooncake_unavailable_reason()
+    if reason:
+        raise HiStateConfigError(f"{name}: {reason}")
+    environ = os.environ if environ is None else environ
+    if not any(extra.get(k) for k in MOONCAKE_MASTER_KEYS) and not any(
+            str(environ.get(v, "")).strip() for v in MOONCAKE_ENV_VARS):
+        raise HiStateConfigError(
+            f"{name}: no Mooncake master configured; give --hicache-storage-backend-extra-config "
+            "'{\"master_server_address\": \"HOST:PORT\", ...}' or set MOONCAKE_MASTER (or MOONCAKE_CLIENT, "
+            "or SGLANG_HICACHE_MOONCAKE_CONFIG_PATH), as for SGLang's mooncake backend")
+
+
 def storage_extra_config(raw: Any, config: HiStateConfig) -> dict:
     """The user's extra config plus HiState's backend identity and its `histate` section."""
     extra = load_extra_config(_flag(raw, "hicache_storage_backend_extra_config"))
@@ -160,6 +191,12 @@ def storage_extra_config(raw: Any, config: HiStateConfig) -> dict:
     section.update(ssd_dirs=list(config.ssd_dirs), ssd_size_bytes=config.ssd_size_bytes,
                    io_backend=config.ssd_backend)
     extra[EXTRA_CONFIG_KEY] = section
+    if config.l3 != "off":
+        section["l3"] = config.l3
+        check_l3(extra, config)
+        # KV pages move with host indices (batch_get_v1 / batch_set_v1): Mooncake reads and writes the
+        # registered host pool zero-copy (cache_controller.py: `interface_v1` picks _page_get_zero_copy).
+        extra["interface_v1"] = 1
     return extra
 
 

@@ -21,6 +21,22 @@ Ranks that share a --histate-ssd-dir each own a namespace (subdirectory) in it, 
 and its own byte budget (`rank_namespace`, `rank_budget_bytes`). Store keys are `<pool>/<page
 hash><rank suffix>` as before. KV pages of one `batch_set` are packed into one file. Faults never
 raise: a failed read is a miss, a failed write is False.
+
+With `--histate-l3 mooncake` a shared Mooncake Store sits under the SSD (`l3_tier.L3Tier`, SGLang's
+own `MooncakeStore`, stock keys and bytes). The extra config then carries `interface_v1: 1`, so SGLang
+moves KV pages through `batch_get_v1` / `batch_set_v1` with host indices (Mooncake reads and writes
+the registered host pool zero-copy; the generic `batch_get` / `batch_set` stay SSD-only):
+  * reads: the SSD first; a page or state the SSD lacks (or fails to read) is read from L3 into the
+    same host index; a page whose L3 read fails in any way is reported not loaded;
+  * presence (`batch_exists`, `batch_exists_v2`): a page counts when its KV is on SSD or in L3, a
+    prefix is restorable when the state keyed by its last page is on SSD or in L3
+    (`histate.core.l3_policy.restorable_pages`, SGLang's TRAILING_PAGES rule);
+  * writes: what reaches `batch_set_v1` / `batch_set_v2` goes to the SSD as before and then to L3,
+    minus what this server already put there (`plan_l3_writes`' already_written; forgotten when read
+    back missing). First version: every backed-up page and state is written through, like stock
+    SGLang's Mooncake backend, not only the terminal bundle (the backend sees SGLang's per-node
+    backups and cannot tell a terminal state from an interior one when it is written). L3 results
+    never change what the SSD write reports.
 """
 from __future__ import annotations
 
@@ -40,6 +56,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+
+from histate.core.l3_policy import L3WriteConfig, plan_l3_writes, restorable_pages
 
 from .config import MIN_SSD_SIZE_BYTES, HiStateConfigError, parse_storage_section
 from .server_settings import EXTRA_CONFIG_KEY
@@ -123,7 +141,7 @@ class HiStateStorageBackend(HiCacheStorage):
     """SGLang `HiCacheStorage` over `histate.storage.CheckpointStore` (see module docstring)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *,
-                 store: Any = None):
+                 store: Any = None, l3: Any = None):
         extra = storage_config.extra_config or {}
         section = extra.get(EXTRA_CONFIG_KEY)
         self.key_suffix = rank_suffix(storage_config)
@@ -138,6 +156,18 @@ class HiStateStorageBackend(HiCacheStorage):
             section, on_evict=self._on_evict, namespace=rank_namespace(storage_config),
             num_ranks=storage_config.tp_size * storage_config.pp_size, on_capacity_needed=self._on_capacity_needed)
         self.registered_pools: dict = {}
+        self.mem_pool_host: Any = None
+        self.l3: Any = l3
+        if self.l3 is None and (section or {}).get("l3", "off") == "mooncake":
+            from .l3_tier import L3Tier
+
+            try:
+                self.l3 = L3Tier(storage_config)
+            except BaseException:
+                self.store.close()
+                raise
+        if self.l3 is not None:
+            self.l3.on_io = self._count_l3
         # Checkpoints on SSD (for the per-tier gauge); warm restarts start from the rebuilt index.
         self.num_states = sum(1 for k in self.store.keys() if not k.startswith(f"{KV_POOL}/")
                               and k.endswith(self.key_suffix))
@@ -160,6 +190,22 @@ class HiStateStorageBackend(HiCacheStorage):
     def _count_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
         if self.metrics is not None:
             self.metrics.record_ssd_io(read_bytes=read_bytes, written_bytes=written_bytes)
+
+    def _count_l3(self, **amounts: int) -> None:
+        if self.metrics is not None:
+            self.metrics.record_l3_io(**amounts)
+
+    # --- host pools: the SSD copies through them, L3 registers them with Mooncake ---------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host
+        if self.l3 is not None:
+            self.l3.register_kv(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        self.registered_pools[host_pool_name] = host_pool
+        if self.l3 is not None:
+            self.l3.register_pool(host_pool, host_pool_name)
 
     def has_state(self, page_hash: str, pool: Any = "mamba") -> bool:
         """Whether the checkpoint keyed by the last page hash of a node is on SSD."""
@@ -226,30 +272,98 @@ class HiStateStorageBackend(HiCacheStorage):
         return self.store.exists(self.store_key(KV_POOL, key))
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        for i, key in enumerate(keys):
+        present = self._kv_present(keys)
+        return next((i for i, ok in enumerate(present) if not ok), len(keys))
+
+    def _kv_present(self, keys: List[str]) -> List[bool]:
+        """Per page: KV on SSD, or (with L3) in L3. L3 is asked for the pages the SSD lacks only."""
+        present = []
+        for key in keys:
             if not self.exists(key):
-                return i
-        return len(keys)
+                break
+            present.append(True)
+        rest = keys[len(present):]
+        if rest and self.l3 is not None and self.mem_pool_host is not None:
+            ssd = [self.exists(k) for k in rest]
+            l3 = iter(self.l3.kv_present([k for k, ok in zip(rest, ssd) if not ok]))
+            present += [True if ok else next(l3) for ok in ssd]
+        return present + [False] * (len(keys) - len(present))
+
+    def _pool_present(self, keys: List[str], name: Any, upto: int) -> List[bool]:
+        """Per page i < upto: the `name` state keyed by page i is on SSD, or (with L3) in L3."""
+        ssd = [self.store.exists(self.store_key(name, keys[i])) for i in range(upto)]
+        if self.l3 is not None and not all(ssd):
+            l3 = iter(self.l3.pool_present([k for k, ok in zip(keys, ssd) if not ok], name))
+            ssd = [True if ok else next(l3) for ok in ssd]
+        return ssd
+
+    # --- KV pages with host indices (interface_v1; SGLang uses it when L3 is on) ----------------
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        pool = self.mem_pool_host
+        if pool is None or not keys:
+            return [False] * len(keys)
+        page = pool.page_size
+        loaded = [False] * len(keys)
+        try:
+            values = self.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+            for i, value in enumerate(values):
+                if value is not None:
+                    pool.set_from_flat_data_page(int(host_indices[i * page]), value)
+                    loaded[i] = True
+        except Exception:
+            logger.warning("HiState storage: SSD read of %d KV pages failed; trying L3", len(keys), exc_info=True)
+        missing = [i for i, ok in enumerate(loaded) if not ok]
+        if missing and self.l3 is not None:
+            indices = torch.cat([host_indices[i * page:(i + 1) * page] for i in missing])
+            for i, ok in zip(missing, self.l3.get_kv([keys[i] for i in missing], indices)):
+                loaded[i] = bool(ok)
+        return loaded
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        pool = self.mem_pool_host
+        if pool is None or not keys:
+            return [False] * len(keys)
+        page = pool.page_size
+        data = [pool.get_data_page(int(host_indices[i * page])) for i in range(len(keys))]
+        stored = self.batch_set(keys, data)
+        if self.l3 is not None:
+            todo = self._l3_kv_to_write(keys)
+            if todo:
+                indices = torch.cat([host_indices[i * page:(i + 1) * page] for i in todo])
+                self.l3.put_kv([keys[i] for i in todo], indices)
+        return [stored] * len(keys)
+
+    def _l3_kv_to_write(self, keys: List[str]) -> List[int]:
+        """Pages of this backup that go to L3: `plan_l3_writes` over the batch (a prefix ending at its
+        last page), skipping pages this server already put; the state is written by batch_set_v2."""
+        puts = plan_l3_writes(len(keys), [len(keys)], lambda i: self.l3.kv_written(keys[i]), 0, L3WriteConfig(),
+                              state_already_written=lambda i: True)
+        return [p.page_index for p in puts]
 
     # --- extra pools (MAMBA): the v2 path --------------------------------------------------------
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
-        kv_pages = self.batch_exists(keys)
+        kv_present = self._kv_present(keys)
+        kv_pages = next((i for i, ok in enumerate(kv_present) if not ok), len(keys))
         hit_count: dict = {KV_POOL: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
             if not restorable:
                 break
-
-            def stored(i: int, name: Any = transfer.name) -> bool:
-                return self.store.exists(self.store_key(name, keys[i]))
-
+            stored = self._pool_present(keys, transfer.name, kv_pages)
             if transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 trailing = max(1, len(transfer.keys) if transfer.keys else 1)
-                pool_ok = {p for p in restorable if all(stored(i) for i in range(max(0, p - trailing), p))}
+                pool_ok = {p for p in restorable if all(stored[i] for i in range(max(0, p - trailing), p))}
+                if trailing == 1 and pool_ok:  # the MAMBA rule, shared with the simulator's cluster mode
+                    hit_count[transfer.name] = restorable_pages(kv_present[:kv_pages], stored)
+                    restorable &= pool_ok
+                    continue
             elif transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
-                boundary = next((i for i in range(kv_pages) if not stored(i)), kv_pages)
+                boundary = next((i for i in range(kv_pages) if not stored[i]), kv_pages)
                 pool_ok = set(range(1, boundary + 1))
             else:
                 raise ValueError(f"HiState storage: unsupported pool hit policy {transfer.hit_policy}")
@@ -285,8 +399,16 @@ class HiStateStorageBackend(HiCacheStorage):
         return self._per_pool(transfers, self._get_pool)
 
     def _get_pool(self, transfer: PoolTransfer, host_pool, page_size: int, keys) -> list:
-        return [self.read_state(key, host_pool, int(transfer.host_indices[i * page_size]), pool=transfer.name)
-                for i, key in enumerate(keys)]
+        loaded = [self.read_state(key, host_pool, int(transfer.host_indices[i * page_size]), pool=transfer.name)
+                  for i, key in enumerate(keys)]
+        missing = [i for i, ok in enumerate(loaded) if not ok]
+        if missing and self.l3 is not None:
+            sub = PoolTransfer(name=transfer.name, keys=[keys[i] for i in missing],
+                               host_indices=torch.cat([transfer.host_indices[i * page_size:(i + 1) * page_size]
+                                                       for i in missing]))
+            for i, ok in zip(missing, self.l3.get_pool(sub)):
+                loaded[i] = bool(ok)
+        return loaded
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
@@ -309,7 +431,20 @@ class HiStateStorageBackend(HiCacheStorage):
                 self._count_io(written_bytes=page.numel() * page.element_size())
                 if transfer.name != KV_POOL:
                     self.num_states += 1
+        if self.l3 is not None:
+            self._put_pool_l3(transfer, page_size, keys)
         return flags
+
+    def _put_pool_l3(self, transfer: PoolTransfer, page_size: int, keys) -> None:
+        """The states of this backup that go to L3 (`plan_l3_writes` per state: one page whose KV was
+        written by batch_set_v1, skipping states this server already put)."""
+        todo = [i for i, key in enumerate(keys)
+                if plan_l3_writes(1, [1], lambda _: True, 0, L3WriteConfig(),
+                                  state_already_written=lambda _, k=key: self.l3.state_written(k))]
+        if todo:
+            self.l3.put_pool(PoolTransfer(
+                name=transfer.name, keys=[keys[i] for i in todo],
+                host_indices=torch.cat([transfer.host_indices[i * page_size:(i + 1) * page_size] for i in todo])))
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -318,7 +453,12 @@ class HiStateStorageBackend(HiCacheStorage):
         return True
 
     def get_stats(self) -> dict:
-        return self.store.stats_snapshot()
+        stats = self.store.stats_snapshot()
+        if self.l3 is not None:
+            stats.update(self.l3.stats.snapshot())
+        return stats
 
     def close(self) -> None:
         self.store.close()
+        if self.l3 is not None:
+            self.l3.close()

@@ -1,0 +1,296 @@
+"""The shared L3 tier under HiState's SSD backend: SGLang's own `MooncakeStore`, used as a library.
+
+Tiers: device -> host -> this server's private SSD (`storage_backend.py`) -> a Mooncake Store shared
+by the fleet (`--histate-l3 mooncake`). Why SGLang's `MooncakeStore` object and not HiState's own
+client (`histate.l3.client`): a stock SGLang server on the same store must read what HiState wrote
+and the other way round. So keys and bytes are exactly stock's, built by the same code: the object
+keys `{prefix}_{page_hash}_{tp_rank}_k` / `_v` (KV, page-first host layout) and
+`..._{tp_rank}_temporal` / `_conv_{i}` (MAMBA), prefix from `extra_backend_tag` and the model name,
+zero-copy from and into the host pools it is registered on (`register_mem_pool_host` for KV,
+`register_mem_host_pool_v2` for MAMBA), group ids when `enable_group_semantics` is set.
+
+What this module adds to stock, and only that:
+  * faults are misses: any exception, an error code, a dead store service (TRANSFER_FAIL) or a
+    short read answers False for the page; SGLang never sees an exception from L3;
+  * a read must return exactly the bytes of the destination (`batch_get_into` reports bytes read):
+    an object of another size (a foreign layout, another model's page under the same key) is a
+    miss, where stock `batch_get_v1` only checks `> 0`. What cannot be detected: an object of the
+    right size with wrong bytes (a bit flip, a same-size foreign writer). Stock objects carry no
+    checksum, and adding one would change the bytes stock servers read, so HiState does not;
+  * `written`: object groups this server put, so a re-backup skips them (`plan_l3_writes`'
+    already_written); a page read back as missing is forgotten (the master evicted it);
+  * a dead store service: its objects go, but the master keeps answering `batch_is_exist` = 1 for
+    them until it notices (more than 10 s on the loopback store), while reads fail fast with
+    TRANSFER_FAIL. So a read that fails with a transfer-level code (<= -800: TRANSFER_FAIL, RPC
+    failures), or raises, marks L3 down for `RETRY_AFTER_S`: presence then answers False and reads
+    are misses without a round trip, so `batch_exists` reports what the SSD has. Writes are still
+    tried (stock's put skips objects the master says exist, so a put's success says nothing about
+    the service: only time ends the down state). A missing object (-704, the master evicted it) or a
+    wrong size does not mark L3 down.
+
+Placement hints: the installed Mooncake `ReplicateConfig` has `soft_pin_ttl_ms`, `soft_pin_action`,
+`replica_num` and `group_ids`, but `MooncakeStore` builds its own `ReplicateConfig` inside
+`_put_batch_zero_copy_impl` and sets only `group_ids` (with `enable_group_semantics`) and
+`session_ids`: soft pins and replica counts cannot be passed through it, so they are not. Group
+semantics (a page's KV objects and its state in one group, as `plan_l3_writes` asks) are passed by
+turning on `enable_group_semantics` in the extra config, which stock servers read the same way.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5.0
+"""How long L3 is treated as absent after a transfer-level read failure (module doc)."""
+TRANSFER_LEVEL_ERROR = -800
+"""Mooncake's TRANSFER_FAIL; codes at or below it are transfer, RPC or system failures (-704 is
+OBJECT_NOT_FOUND, -600 a buffer of the wrong size)."""
+
+
+@dataclass
+class L3Stats:
+    hits: int = 0
+    misses: int = 0
+    read_bytes: int = 0
+    written_bytes: int = 0
+    write_failures: int = 0
+    errors: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **amounts: int) -> None:
+        with self.lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {f"l3_{k}": getattr(self, k) for k in
+                    ("hits", "misses", "read_bytes", "written_bytes", "write_failures", "errors")}
+
+
+def open_mooncake_store(storage_config: Any, mem_pool_host: Any = None) -> Any:
+    """SGLang's `MooncakeStore` with SGLang's configuration rules (extra config keys
+    `master_server_address`..., else SGLANG_HICACHE_MOONCAKE_CONFIG_PATH, else MOONCAKE_* env)."""
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    return MooncakeStore(storage_config, mem_pool_host)
+
+
+class L3Tier:
+    """Reads, presence and writes of KV pages and pool states in the shared store (module doc)."""
+
+    def __init__(self, storage_config: Any, mem_pool_host: Any = None, *, store: Any = None,
+                 on_io: Optional[Callable[..., None]] = None) -> None:
+        self.store = store if store is not None else open_mooncake_store(storage_config, mem_pool_host)
+        self.stats = L3Stats()
+        self.on_io = on_io  # metrics hook: on_io(read_bytes=..., written_bytes=..., hits=..., misses=...)
+        self._written_kv: set = set()
+        self._written_state: set = set()
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.down_events = 0
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _mark_down(self) -> None:
+        if self.available:
+            self.down_events += 1
+            logger.warning("HiState L3: a read failed at the transfer level (store service gone?); L3 is "
+                           "treated as absent for %.0f s", RETRY_AFTER_S)
+        self._down_until = time.monotonic() + RETRY_AFTER_S
+
+    # --- registration (the same host pools as the SSD tier) --------------------------------------
+
+    def register_kv(self, host_pool: Any) -> None:
+        self.store.register_mem_pool_host(host_pool)
+
+    def register_pool(self, host_pool: Any, name: Any) -> None:
+        self.store.register_mem_host_pool_v2(host_pool, name)
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def _count(self, *, hits: int = 0, misses: int = 0, read_bytes: int = 0, written_bytes: int = 0) -> None:
+        self.stats.add(hits=hits, misses=misses, read_bytes=read_bytes, written_bytes=written_bytes)
+        if self.on_io is not None:
+            self.on_io(hits=hits, misses=misses, read_bytes=read_bytes, written_bytes=written_bytes)
+
+    def _fault(self, what: str, *, down: bool = False) -> None:
+        self.stats.add(errors=1)
+        logger.warning("HiState L3: %s failed; treated as a miss", what, exc_info=True)
+        if down:
+            self._mark_down()
+
+    def kv_written(self, key: str) -> bool:
+        return key in self._written_kv
+
+    def state_written(self, key: str) -> bool:
+        return key in self._written_state
+
+    def _forget(self, kv_keys: List[str] = (), state_keys: List[str] = ()) -> None:
+        with self._lock:
+            self._written_kv.difference_update(kv_keys)
+            self._written_state.difference_update(state_keys)
+
+    # --- object keys, as MooncakeStore builds them ------------------------------------------------
+
+    def _kv_objects(self, keys: List[str], host_indices: Optional[torch.Tensor]) -> tuple:
+        """(object keys, pointers, sizes, objects per page) of KV pages; pointers only with indices."""
+        store = self.store
+        tagged = store._tag_keys(keys)
+        if host_indices is not None:
+            objects, ptrs, sizes = store._batch_preprocess(tagged, host_indices)
+            return objects, ptrs, sizes, len(objects) // max(1, len(keys))
+        pool = store.mem_pool_host
+        probe = torch.arange(pool.page_size, dtype=torch.int64)
+        per_page = [name[len(""):] for name in store._batch_preprocess([""], probe)[0]]
+        return [t + s for t in tagged for s in per_page], None, None, len(per_page)
+
+    def _pool_objects(self, transfer: Any, with_buffers: bool) -> tuple:
+        store = self.store
+        objects, per_page = store._get_hybrid_page_component_keys(list(transfer.keys), transfer)
+        objects = store._tag_keys(objects)
+        if not with_buffers:
+            return objects, None, None, per_page
+        host_pool = store.registered_pools[transfer.name]
+        ptrs, sizes = store._build_pool_buffer_meta(host_pool=host_pool, host_indices=transfer.host_indices,
+                                                    key_strs=objects, key_multiplier=per_page, exist_states=None)
+        return objects, ptrs, sizes, per_page
+
+    @staticmethod
+    def _per_page(flags: List[bool], per_page: int) -> List[bool]:
+        return [all(flags[i:i + per_page]) for i in range(0, len(flags), per_page)]
+
+    # --- presence ---------------------------------------------------------------------------------
+
+    def _exist(self, objects: List[str], per_page: int, what: str) -> List[bool]:
+        if not self.available:
+            return [False] * (len(objects) // max(1, per_page))
+        try:
+            found = self.store._batch_exist(objects) if objects else []
+            return self._per_page([r == 1 for r in found], per_page)
+        except Exception:
+            self._fault(what)
+            return [False] * (len(objects) // max(1, per_page))
+
+    def kv_present(self, keys: List[str]) -> List[bool]:
+        if not keys:
+            return []
+        try:
+            objects, _, _, per_page = self._kv_objects(keys, None)
+        except Exception:
+            self._fault("KV presence")
+            return [False] * len(keys)
+        return self._exist(objects, per_page, "KV presence")
+
+    def pool_present(self, keys: List[str], name: Any) -> List[bool]:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+        if not keys or name not in getattr(self.store, "registered_pools", {}):
+            return [False] * len(keys)
+        try:
+            objects, _, _, per_page = self._pool_objects(PoolTransfer(name=name, keys=list(keys)), False)
+        except Exception:
+            self._fault(f"{name} presence")
+            return [False] * len(keys)
+        return self._exist(objects, per_page, f"{name} presence")
+
+    # --- reads: exact sizes or a miss -------------------------------------------------------------
+
+    def _read(self, objects: List[str], ptrs: list, sizes: list, per_page: int, what: str) -> List[bool]:
+        if not self.available:
+            return [False] * (len(objects) // max(1, per_page))
+        try:
+            results = list(self.store._get_batch_zero_copy_impl(objects, ptrs, sizes))
+        except Exception:
+            self._fault(what, down=True)
+            return [False] * (len(objects) // max(1, per_page))
+        if any(isinstance(r, int) and r <= TRANSFER_LEVEL_ERROR for r in results):
+            self._mark_down()
+        exact = [res == (sum(size) if isinstance(size, (list, tuple)) else size)
+                 for res, size in zip(results, sizes)]
+        if len(exact) != len(objects):
+            return [False] * (len(objects) // max(1, per_page))
+        return self._per_page(exact, per_page)
+
+    def get_kv(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        """Read KV pages into `host_indices` (page_size indices a page); False pages were not loaded."""
+        if not keys:
+            return []
+        try:
+            objects, ptrs, sizes, per_page = self._kv_objects(keys, host_indices)
+        except Exception:
+            self._fault("KV read setup")
+            return [False] * len(keys)
+        loaded = self._read(objects, ptrs, sizes, per_page, "KV read")
+        page_bytes = sum(s if not isinstance(s, (list, tuple)) else sum(s) for s in sizes) // max(1, len(keys))
+        hits = sum(loaded)
+        self._count(hits=hits, misses=len(keys) - hits, read_bytes=hits * page_bytes)
+        self._forget(kv_keys=[k for k, ok in zip(keys, loaded) if not ok])
+        return loaded
+
+    def get_pool(self, transfer: Any) -> List[bool]:
+        keys = list(transfer.keys or [])
+        if not keys:
+            return []
+        try:
+            objects, ptrs, sizes, per_page = self._pool_objects(transfer, True)
+        except Exception:
+            self._fault(f"{transfer.name} read setup")
+            return [False] * len(keys)
+        loaded = self._read(objects, ptrs, sizes, per_page, f"{transfer.name} read")
+        page_bytes = sum(sizes) // max(1, len(keys))
+        hits = sum(loaded)
+        self._count(hits=hits, misses=len(keys) - hits, read_bytes=hits * page_bytes)
+        self._forget(state_keys=[k for k, ok in zip(keys, loaded) if not ok])
+        return loaded
+
+    # --- writes: stock's puts (skipping what exists), skipping what this server wrote ------------
+
+    def put_kv(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        """Write KV pages from `host_indices` with MooncakeStore.batch_set_v1 (stock bytes and keys)."""
+        if not keys:
+            return []
+        try:
+            done = list(self.store.batch_set_v1(keys, host_indices))
+        except Exception:
+            self._fault("KV write")
+            done = [False] * len(keys)
+        self._after_put(keys, done, self._written_kv, self.store.mem_pool_host.get_ksize_per_token()
+                        * self.store.mem_pool_host.page_size * 2 if done else 0)
+        return done
+
+    def put_pool(self, transfer: Any) -> List[bool]:
+        keys = list(transfer.keys or [])
+        if not keys:
+            return []
+        try:
+            done = list(self.store.batch_set_v2([transfer]).get(transfer.name, [False] * len(keys)))
+        except Exception:
+            self._fault(f"{transfer.name} write")
+            done = [False] * len(keys)
+        host_pool = self.store.registered_pools.get(transfer.name)
+        page_bytes = getattr(host_pool, "size_per_token", 0) * (getattr(host_pool, "page_size", 1) or 1)
+        self._after_put(keys, done, self._written_state, page_bytes)
+        return done
+
+    def _after_put(self, keys: List[str], done: List[bool], written: set, page_bytes: int) -> None:
+        ok = [k for k, d in zip(keys, done) if d]
+        with self._lock:
+            written.update(ok)
+        self.stats.add(write_failures=len(keys) - len(ok))
+        self._count(written_bytes=len(ok) * page_bytes)
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except Exception:
+            pass
