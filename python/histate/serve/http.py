@@ -11,6 +11,12 @@
                          `stream_options.include_usage`; one chunk per token with that token's text;
                          usage.prompt_tokens_details.cached_tokens
   GET  /v1/models, /model_info (and /get_model_info), /health;  POST /flush_cache (empties every tier)
+  GET  /get_server_info  /model_info's fields plus this worker's counters (`histate_stats`: requests,
+                         local and L3 hit tokens, L3 puts, bytes and misses)
+
+With `--l3-master`, `cached_tokens` counts local and L3 hits together; meta_info adds
+`l3_cached_tokens` (the L3 part) and cached_tokens_details an `l3` entry. Without it, nothing of
+this appears and every answer is as before.
 
 Text is the reference tokenizer's (histate/reference/tokenizer.py: one character per token), so every
 streamed token carries non-empty text -- what SGLang's and OpenAI's clients stamp TTFT on. Which
@@ -44,7 +50,7 @@ def build_app(engine: ServingEngine) -> web.Application:
     app.add_routes([
         web.post("/generate", _generate), web.post("/v1/completions", _completions),
         web.get("/v1/models", _models), web.get("/model_info", _model_info), web.get("/get_model_info", _model_info),
-        web.get("/health", _health), web.post("/flush_cache", _flush),
+        web.get("/health", _health), web.post("/flush_cache", _flush), web.get("/get_server_info", _server_info),
     ])
     return app
 
@@ -135,9 +141,13 @@ async def _send(response: web.StreamResponse, payload: dict) -> None:
 
 
 def _cached_tokens_details(done: dict) -> dict:
-    """SGLang's cached_tokens_details: reused tokens per cache source."""
+    """SGLang's cached_tokens_details: reused tokens per cache source (local tiers, then L3 when the
+    server has one)."""
     by_tier = done["cached_tokens_by_tier"]
-    return {"device": by_tier.get(Tier.GPU, 0), "host": by_tier.get(Tier.CPU, 0), "storage": by_tier.get(Tier.SSD, 0)}
+    details = {"device": by_tier.get(Tier.GPU, 0), "host": by_tier.get(Tier.CPU, 0), "storage": by_tier.get(Tier.SSD, 0)}
+    if done.get("l3_cached_tokens") is not None:
+        details["l3"] = done["l3_cached_tokens"]
+    return details
 
 
 # --- SGLang /generate ----------------------------------------------------------------------------
@@ -153,6 +163,8 @@ def _sglang_payloads(tokenizer):
                 meta["cached_tokens_details"] = _cached_tokens_details(done)
             meta["histate"] = {k: done[k] for k in ("kv_hit_tokens", "checkpoint_tier", "planned_checkpoint_pages",
                                                     "queue_s", "serve_s")}
+            if done.get("l3_cached_tokens") is not None:
+                meta["l3_cached_tokens"] = done["l3_cached_tokens"]
         return [{"text": tokenizer.decode(output_ids), "output_ids": list(output_ids), "meta_info": meta}]
 
     return fmt
@@ -213,6 +225,13 @@ async def _models(request: web.Request) -> web.Response:
 async def _model_info(request: web.Request) -> web.Response:
     """SGLang's /model_info fields (model_path, tokenizer_path, is_generation) plus histate serve's own."""
     return web.json_response({**request.app[ENGINE].info(), "served_model_name": MODEL_NAME})
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    """SGLang's /get_server_info name; here the model info plus this worker's counters."""
+    engine = request.app[ENGINE]
+    return web.json_response({**engine.info(), "served_model_name": MODEL_NAME,
+                              "histate_stats": engine.server_stats()})
 
 
 async def _health(request: web.Request) -> web.Response:
