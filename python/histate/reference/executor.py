@@ -154,7 +154,7 @@ class ReferenceExecutor:
                 kv_pages, checkpoint = kv_pages + l3_hit.kv_pages, l3_hit.checkpoint
             cache = restore_cache(self.runner.model, self.geometry, kv_pages, checkpoint)
             plan = tuple(self.cache.plan_checkpoints(lease, num_pages=len(keys)))
-            captured_pages = tuple(d for d in plan if d > resume_pages)
+            captured_pages = plan if l3_hit is None else tuple(d for d in plan if d > resume_pages)
             prefill = self.runner.prefill(cache, token_ids, resume_pages * page_num_tokens,
                                           [d * page_num_tokens for d in captured_pages])
             fresh = kv_pages_from_cache(cache, self.geometry, c, len(keys) - c)
