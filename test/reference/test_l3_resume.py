@@ -64,7 +64,7 @@ class Workers:
     """Worker A and worker B (separate tiers and SSD directories) and a raw client, all on one
     store under a key prefix of their own (tests sharing a store do not see each other's objects)."""
 
-    def __init__(self, runner, mooncake, tmp_path):
+    def __init__(self, runner, mooncake, tmp_path, policy="histate"):
         from histate.l3.client import L3Client
 
         self.prefix = f"t-{uuid.uuid4().hex[:8]}"
@@ -74,7 +74,7 @@ class Workers:
         for name in "AB":
             ssd = open_ssd(str(tmp_path / f"ssd-{name}"), capacity[Tier.SSD])
             l3 = L3Tier(L3Client(mooncake.master_address, key_prefix=self.prefix))
-            self.executors[name] = ReferenceExecutor(runner, "histate", capacity, ssd, l3=l3)
+            self.executors[name] = ReferenceExecutor(runner, policy, capacity, ssd, l3=l3)
         self.raw = L3Client(mooncake.master_address, key_prefix=self.prefix)
 
     def serve(self, name, token_ids, now_s, cold):
@@ -190,3 +190,26 @@ def test_a_foreign_object_under_a_key_is_a_miss(workers, cold_runs, corrupted):
     stats = workers.l3_stats("B")
     assert (stats.listed_pages, stats.shortened_hits, stats.hits) == (4, 1, 0)
     assert workers.executors["B"].l3.client.stats.corrupt == 1
+
+
+TURN_3 = TURN_2 + [_rng.randrange(512) for _ in range(200)]  # 540 tokens: 8 pages
+
+
+@pytest.mark.parametrize("policy", ["histate", "histate-exclusive", "vllm-disk", "sglang-hicache", "marconi"])
+def test_a_session_alternating_between_workers_is_exact_under_every_policy_kind(runners, mooncake, tmp_path,
+                                                                                cold_runs, policy):
+    """Turns 0-3 go A, B, A, B. Each turn resumes its own worker's latest state locally and the other
+    worker's newer bundle from L3: (local, L3) pages (0, 0), (0, 2), (2, 2), (4, 1). Block-granular,
+    write-back and exclusive placements all take the L3 state as a captured one (mirror checked)."""
+    w = Workers(runners(NUMERICS), mooncake, tmp_path, policy)
+    try:
+        resumed = []
+        for i, turn in enumerate([TURN_0, TURN_1, TURN_2, TURN_3]):
+            cold = cold_runs(NUMERICS, turn)
+            served = w.serve("AB"[i % 2], turn, float(i), cold)
+            _assert_cold_exact(served, cold)
+            resumed.append((served.num_reused_pages, served.num_l3_pages))
+        assert resumed == [(0, 0), (0, 2), (2, 2), (4, 1)]
+    finally:
+        w.close()
+
