@@ -342,6 +342,14 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--threads", type=_positive(int), default=1, help="torch threads of the model (1)")
     s.add_argument("--check-mirror", action="store_true",
                    help="after every request, check that each tier holds exactly what the policy placed there")
+    l3 = s.add_argument_group("shared L3 tier (a Mooncake store several workers share)")
+    l3.add_argument("--l3-master", metavar="HOST:PORT",
+                    help="Mooncake master of the shared store; each request then resumes from L3 beyond its "
+                         "local hit and writes its terminal bundle there (default: no L3)")
+    l3.add_argument("--l3-key-prefix", default="histate", metavar="NAME",
+                    help="namespace of this deployment's objects in the store (histate)")
+    l3.add_argument("--l3-pin-ttl-s", type=_number("seconds", at_least=0), default=None, metavar="S",
+                    help="soft-pin TTL of each terminal state put to L3, seconds (1800, the master's default)")
 
     k = sub.add_parser("cluster", help="a loopback fleet: Mooncake L3, N histate serve workers, sglang-router; "
                                        "kills a worker mid-run and reports what failover costs",
@@ -678,6 +686,20 @@ def compare_command(args) -> int:
     return 0
 
 
+def _l3_settings(args) -> dict:
+    """ServeConfig's L3 fields from the flags; the L3 flags without --l3-master are an error, not ignored."""
+    if args.l3_master is None:
+        given = [flag for flag, value in (("--l3-key-prefix", args.l3_key_prefix != "histate"),
+                                          ("--l3-pin-ttl-s", args.l3_pin_ttl_s is not None)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)}: needs --l3-master")
+        return {}
+    settings = {"l3_master": args.l3_master, "l3_key_prefix": args.l3_key_prefix}
+    if args.l3_pin_ttl_s is not None:
+        settings["l3_pin_ttl_s"] = args.l3_pin_ttl_s
+    return settings
+
+
 def serve_command(args) -> int:
     from .core import Tier
 
@@ -689,7 +711,7 @@ def serve_command(args) -> int:
         config = ServeConfig(args.policy, {Tier.GPU: int(args.gpu_mib * MiB), Tier.CPU: int(args.cpu_mib * MiB),
                                            Tier.SSD: int(args.ssd_mib * MiB)},
                              args.ssd_dir, args.ssd_backend, args.max_context, check_mirror=args.check_mirror,
-                             num_threads=args.threads)
+                             num_threads=args.threads, **_l3_settings(args))
         engine = ServingEngine(config)
     except (ValueError, OSError, ImportError) as err:
         print(f"histate serve: error: {err}", file=sys.stderr)

@@ -187,7 +187,7 @@ class SGLangBackend(_Backend):
                 raise BenchError(f"{url}: meta_info.{field} is {value!r}, expected a count")
             values[field] = value
         histate = meta.get("histate") if isinstance(meta.get("histate"), dict) else {}
-        kv_hit, l3_hit, worker = histate.get("kv_hit_tokens"), histate.get("l3_cached_tokens"), histate.get("worker")
+        kv_hit, l3_hit, worker = histate.get("kv_hit_tokens"), meta.get("l3_cached_tokens"), histate.get("worker")
         return Completion(0.0, 0.0, values["prompt_tokens"], values["completion_tokens"], values["cached_tokens"],
                           kv_hit if isinstance(kv_hit, int) else None,
                           worker if isinstance(worker, str) else None, l3_hit if isinstance(l3_hit, int) else None)

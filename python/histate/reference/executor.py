@@ -11,6 +11,13 @@ as in SGLang, so there are always logits to compare):
     depth inside that one forward              (histate.reference.gdr via gdn_kernels)
     cache.finish_request(lease, keys, plan)      inserts, evicts, demotes              -> apply ops
 
+With an L3 tier (l3_tier.py; `histate serve --l3-master`), the shared store sits beside the core:
+after the restore, L3 may extend the resume point from c to p (KV pages [c, p) and the state at p,
+read from L3); the prefill starts at p, and the core is told of the state at p as if this pass had
+captured it (plan depths in (c, p] cannot be captured from p and are dropped). The L3 KV pages enter
+the core's tiers exactly as computed pages would. After finish_request, the request's held path
+(core/l3_policy.py: KV up to the deepest state the core holds on it, and every held state) goes to L3.
+
 "Apply ops" replays the core's TierOps (put / move / copy / drop of KV segments and checkpoints)
 on the executor's own stores (tier_stores.py); `check_mirror()` then proves the bytes held in each
 tier are exactly what the core's tree and ledger say. Nothing is read from a tier the core did not
@@ -28,8 +35,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from histate_kernels import pack_slot
 
-from histate.core import CacheConfig, ItemKind, Tier, TierOp, make_cache
+from histate.core import CacheConfig, ItemKind, Tier, TierOp, fastest_tier, make_cache
 from histate.reference.hybrid_cache import Checkpoint, kv_pages_from_cache, restore_cache
+from histate.reference.l3_tier import L3Codec, L3Hit, L3Tier
 from histate.reference.page_keys import PageKey, page_keys
 from histate.reference.runner import ModelRunner
 from histate.reference.ssd import SsdObjects
@@ -57,9 +65,10 @@ class ServedRequest:
     kv_pages_by_tier_at_match: dict  # Tier -> pages of [0, c) where the match found them
     kv_pages_read_by_tier: dict  # Tier -> pages of [0, c) actually read (after promotion)
     checkpoint_tier: Tier | None  # where the checkpoint at c was read from
-    planned_checkpoint_pages: tuple[int, ...]  # depths captured inside this prefill
+    planned_checkpoint_pages: tuple[int, ...]  # depths handed to the core (captured inside this prefill, or L3's)
     last_logits: torch.Tensor  # float64 [vocab]
     decode_logits: tuple[torch.Tensor, ...]  # after each teacher-forced decode token
+    num_l3_pages: int = 0  # pages [c, c + num_l3_pages) resumed from L3 (KV and the state at their end)
 
 
 @dataclass
@@ -74,7 +83,8 @@ class _Staged:
 
 class ReferenceExecutor:
     def __init__(self, runner: ModelRunner, policy: str, capacity_bytes: Mapping[Tier, int], ssd: SsdObjects,
-                 *, checkpoint_fault: CheckpointFault | None = None, config_overrides: Mapping | None = None):
+                 *, checkpoint_fault: CheckpointFault | None = None, config_overrides: Mapping | None = None,
+                 l3: L3Tier | None = None):
         geometry = runner.geometry
         self.runner = runner
         self.geometry = geometry
@@ -106,6 +116,8 @@ class ReferenceExecutor:
         }
         self.layout = gpu_pool.layout
         self.checkpoint_fault = checkpoint_fault
+        self.l3 = l3  # the shared store beside the core, or None (then serving is exactly as without it)
+        self.l3_codec = L3Codec(geometry, self.layout) if l3 is not None else None
         self.op_counts: Counter = Counter()  # (action, kind, src, dst) -> ops applied
         self.num_lost_objects = 0  # SSD objects found missing or corrupt, each served as a miss
         self._unwritten: set = set()  # (tier, page key) a failed copy left empty until the core drops it
@@ -136,10 +148,15 @@ class ReferenceExecutor:
         else:
             raise StoreMismatch("lost objects kept reappearing in the match")
         try:
+            l3_hit = self.l3.read(keys, c, self.l3_codec) if self.l3 is not None else None
+            resume_pages = l3_hit.end_page if l3_hit is not None else c
+            if l3_hit is not None:
+                kv_pages, checkpoint = kv_pages + l3_hit.kv_pages, l3_hit.checkpoint
             cache = restore_cache(self.runner.model, self.geometry, kv_pages, checkpoint)
             plan = tuple(self.cache.plan_checkpoints(lease, num_pages=len(keys)))
-            prefill = self.runner.prefill(cache, token_ids, c * page_num_tokens,
-                                          [d * page_num_tokens for d in plan])
+            captured_pages = plan if l3_hit is None else tuple(d for d in plan if d > resume_pages)
+            prefill = self.runner.prefill(cache, token_ids, resume_pages * page_num_tokens,
+                                          [d * page_num_tokens for d in captured_pages])
             fresh = kv_pages_from_cache(cache, self.geometry, c, len(keys) - c)
             decode_logits = self.runner.decode(cache, decode_token_ids)
         except BaseException:
@@ -151,8 +168,14 @@ class ReferenceExecutor:
             conv=prefill.captured.conv,
             ssm=prefill.captured.ssm,
         )
-        self.cache.finish_request(lease, keys, now_s, checkpoint_pages=plan)
+        reported = plan
+        if l3_hit is not None:
+            _stage_l3_state(staged, keys, l3_hit)
+            reported = tuple(sorted({*captured_pages, l3_hit.end_page}))
+        self.cache.finish_request(lease, keys, now_s, checkpoint_pages=reported)
         self._apply(self.cache.drain_ops(), staged)
+        if self.l3 is not None:
+            self._write_l3(keys, cache)
         page_bytes = self.geometry.kv_page_size_bytes
         return ServedRequest(
             num_input_tokens=len(token_ids),
@@ -162,9 +185,10 @@ class ReferenceExecutor:
             kv_pages_by_tier_at_match={t: b // page_bytes for t, b in match.kv_bytes_by_tier.items()},
             kv_pages_read_by_tier=dict(kv_read),
             checkpoint_tier=match.checkpoint_tier,
-            planned_checkpoint_pages=plan,
+            planned_checkpoint_pages=reported,
             last_logits=prefill.last_logits,
             decode_logits=tuple(decode_logits),
+            num_l3_pages=l3_hit.num_pages if l3_hit is not None else 0,
         )
 
     def _restore(self, keys: list, match, token_ids: list):
@@ -200,6 +224,26 @@ class ReferenceExecutor:
             if key in store:
                 return tier, store.read(key)
         raise StoreMismatch(f"matched KV page {key.hex()} is in no tier")
+
+    # --- the L3 tier's write path ------------------------------------------------------------
+
+    def _write_l3(self, keys: list, cache) -> None:
+        """Put this request's held path (every checkpoint the core now holds on it, and the KV up to the
+        deepest) to L3. KV comes from the request's own cache, which holds exactly
+        the bytes the tiers got; the state from the tier the core placed it in."""
+        path, _, _ = self.cache.tree.walk(keys)
+        holders = {node.depth_pages: node for node in path if node.ckpt_mask}
+        self.l3.write_bundle(keys, sorted(holders), _shared_pages(path),
+                             lambda n: kv_pages_from_cache(cache, self.geometry, 0, n),
+                             lambda depth: self._packed_state(keys[depth - 1], holders[depth]), self.l3_codec)
+
+    def _packed_state(self, key: PageKey, node) -> torch.Tensor | None:
+        """The packed checkpoint the core holds at `node`, or None when its only copy is a lost SSD
+        object (the next request that needs it reports the loss; L3 just skips this bundle)."""
+        try:
+            return self.checkpoint_stores[fastest_tier(node.ckpt_mask)].read(key)
+        except ObjectLost:
+            return None
 
     # --- replaying the core's data movements -------------------------------------------------
 
@@ -310,3 +354,21 @@ class ReferenceExecutor:
     def close(self) -> None:
         """Stop the SSD store's workers and release its directory."""
         self.kv_stores[Tier.SSD].store.close()
+
+
+def _stage_l3_state(staged: _Staged, keys: list, hit: L3Hit) -> None:
+    """Add the state L3 gave at `hit.end_page` to the request's captured states, as one more row of
+    the capture buffers: a `put` of that checkpoint reads it like any state captured in the pass."""
+    conv, ssm = hit.checkpoint.conv.unsqueeze(1), hit.checkpoint.ssm.unsqueeze(1)
+    if staged.conv is not None and staged.conv.numel():
+        conv = torch.cat([staged.conv, conv.to(staged.conv.device, staged.conv.dtype)], dim=1)
+        ssm = torch.cat([staged.ssm, ssm.to(staged.ssm.device, staged.ssm.dtype)], dim=1)
+    staged.capture_index[keys[hit.end_page - 1]] = conv.shape[1] - 1
+    staged.conv, staged.ssm = conv, ssm
+
+
+def _shared_pages(path: list) -> int:
+    """Leading pages of the path that another branch of this worker's tree also goes through (the
+    deepest fork on it): the prefix reached by more than one session, as far as this worker saw."""
+    forks = [node.depth_pages for node in path if len(node.children) > 1]
+    return max(forks, default=0)

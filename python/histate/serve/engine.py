@@ -8,6 +8,9 @@ whose passes report their logits) feeds it, and every token is handed to the req
 is produced -- the first one right after the prefill, which is what TTFT measures.
 
 Policy "none" bypasses the cache entirely (a cold prefill every time), the no-reuse baseline.
+With `l3_master` (`--l3-master HOST:PORT`), the executor also reads and writes a shared Mooncake
+store beside its tiers (reference/l3_tier.py): another worker's turn can resume here. L3 puts are
+synchronous, after the request's last token has been emitted and before the next request starts.
 One request at a time, no batching: a request's TTFT is its queueing behind earlier requests (their
 whole prefill and decode) plus its own restore and prefill. `histate replay` models this server with
 `EngineConfig(max_running_requests=1)` (benchmark/sim_vs_live.py).
@@ -26,7 +29,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..core import Tier, available_policies, make_policy
+from ..core.l3_policy import DEFAULT_PIN_TTL_S, L3WriteConfig
 from ..reference.executor import ReferenceExecutor
+from ..reference.l3_tier import L3Tier
 from ..reference.runner import ModelRunner
 from ..reference.ssd import open_ssd
 from ..reference.tokenizer import CharTokenizer
@@ -51,10 +56,34 @@ class ServeConfig:
     max_new_tokens: int = 4096
     check_mirror: bool = False         # after each request, prove the stores hold what the core says
     num_threads: int = 1               # torch threads of the worker
+    l3_master: Optional[str] = None    # HOST:PORT of a Mooncake master: the shared L3 tier, or none
+    l3_key_prefix: str = "histate"     # namespace of this deployment's objects in the store
+    l3_pin_ttl_s: float = DEFAULT_PIN_TTL_S  # soft pin of each path's deepest state and its page
 
     def __post_init__(self) -> None:
         if self.policy not in servable_policies():
             raise ValueError(f"--policy {self.policy!r}: choose one of {', '.join(servable_policies())}")
+        if self.l3_master is not None and self.policy == NO_CACHE:
+            raise ValueError("--l3-master needs a cache policy: policy 'none' reuses nothing")
+        L3WriteConfig(pin_ttl_s=self.l3_pin_ttl_s)  # raises ValueError on a negative TTL
+
+
+@dataclass
+class WorkerStats:
+    """Per-worker counters (GET /get_server_info): how much of each prompt came from where."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    local_hit_tokens: int = 0          # resumed from this worker's own tiers
+    l3_hit_tokens: int = 0             # resumed from the shared L3 store beyond the local hit
+    l3_hit_requests: int = 0
+
+    def add(self, prompt_tokens: int, local_hit_tokens: int, l3_hit_tokens: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.local_hit_tokens += local_hit_tokens
+        self.l3_hit_tokens += l3_hit_tokens
+        self.l3_hit_requests += l3_hit_tokens > 0
 
 
 class Generation:
@@ -132,6 +161,8 @@ class ServingEngine:
             Path(tempfile.mkdtemp(prefix="histate-serve-tokenizer-")), config.max_context_num_tokens)
         self._temp_dir = None
         self.executor: Optional[ReferenceExecutor] = None
+        self.l3 = _connect_l3(config)
+        self.stats = WorkerStats()
         self._ssd = None
         self._jobs: queue.Queue = queue.Queue()
         self._t0 = time.monotonic()
@@ -149,7 +180,15 @@ class ServingEngine:
                 "checkpoint_size_bytes": self.geometry.checkpoint_size_bytes,
                 "capacity_bytes": {t.name.lower(): v for t, v in c.capacity_bytes.items()},
                 "tokenizer_path": str(self.tokenizer_dir),
-                "max_context_num_tokens": c.max_context_num_tokens, "max_new_tokens": c.max_new_tokens}
+                "max_context_num_tokens": c.max_context_num_tokens, "max_new_tokens": c.max_new_tokens,
+                **({"l3_master": c.l3_master, "l3_key_prefix": c.l3_key_prefix} if self.l3 is not None else {})}
+
+    def server_stats(self) -> dict:
+        """Counters since start (a flush empties the local tiers, not these, nor L3)."""
+        stats = dict(self.stats.__dict__)
+        if self.l3 is not None:
+            stats["l3"] = self.l3.stats_dict()
+        return stats
 
     def submit(self, job: Job) -> None:
         job.enqueued_s = time.monotonic()
@@ -163,6 +202,8 @@ class ServingEngine:
         self._jobs.put(None)
         self._thread.join(timeout=60)
         self._close_ssd()
+        if self.l3 is not None:
+            self.l3.client.close()
         shutil.rmtree(self.tokenizer_dir, ignore_errors=True)
 
     # --- worker --------------------------------------------------------------------------------
@@ -197,7 +238,7 @@ class ServingEngine:
             cache = self.runner.new_cache()
             self.runner.prefill(cache, job.token_ids, 0)
             self.runner.decode(cache, generation.tokens_to_feed())
-            by_tier, kv_hit, checkpoint_tier, planned = {}, 0, None, ()
+            by_tier, kv_hit, checkpoint_tier, planned, l3_pages = {}, 0, None, (), 0
         else:
             served = self.executor.serve(job.token_ids, started - self._t0,
                                          decode_token_ids=generation.tokens_to_feed())
@@ -205,8 +246,11 @@ class ServingEngine:
                 self.executor.check_mirror()
             by_tier = {t: n * page for t, n in served.kv_pages_by_tier_at_match.items() if n}
             kv_hit, checkpoint_tier = served.num_kv_pages * page, served.checkpoint_tier
-            planned = served.planned_checkpoint_pages
+            planned, l3_pages = served.planned_checkpoint_pages, served.num_l3_pages
+        l3_tokens = l3_pages * page
+        self.stats.add(len(job.token_ids), generation.cached_tokens - l3_tokens, l3_tokens)
         return {"cached_tokens": generation.cached_tokens, "output_ids": list(generation.output_ids),
+                "l3_cached_tokens": l3_tokens if self.l3 is not None else None,
                 "cached_tokens_by_tier": by_tier, "kv_hit_tokens": kv_hit,
                 "checkpoint_tier": checkpoint_tier.name.lower() if checkpoint_tier is not None else None,
                 "planned_checkpoint_pages": list(planned), "queue_s": started - job.enqueued_s,
@@ -225,7 +269,7 @@ class ServingEngine:
             Path(c.ssd_dir).mkdir(parents=True, exist_ok=True)
         self._temp_dir = Path(tempfile.mkdtemp(prefix="histate-serve-ssd-", dir=c.ssd_dir))
         self._ssd = open_ssd(str(self._temp_dir), c.capacity_bytes[Tier.SSD], backend=c.ssd_backend)
-        self.executor = ReferenceExecutor(self.runner, c.policy, c.capacity_bytes, self._ssd)
+        self.executor = ReferenceExecutor(self.runner, c.policy, c.capacity_bytes, self._ssd, l3=self.l3)
 
     def _close_ssd(self) -> None:
         if self._ssd is not None:
@@ -234,3 +278,15 @@ class ServingEngine:
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
+
+
+def _connect_l3(config: ServeConfig) -> Optional[L3Tier]:
+    """This worker's L3 tier, or None without --l3-master. A master that cannot be reached at start
+    is an error (ConnectionError, an OSError): a typo should not silently serve without L3. Faults
+    after start are misses."""
+    if config.l3_master is None:
+        return None
+    from ..l3.client import L3Client
+
+    return L3Tier(L3Client(config.l3_master, key_prefix=config.l3_key_prefix),
+                  L3WriteConfig(pin_ttl_s=config.l3_pin_ttl_s))

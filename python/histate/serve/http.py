@@ -18,6 +18,11 @@
 Every /generate answer's meta_info.histate also names the `worker` (the host:port the request came in
 on), so a client behind a router sees which worker served it.
 
+With `--l3-master`, `cached_tokens` counts local and L3 hits together; meta_info adds
+`l3_cached_tokens` (the L3 part) and cached_tokens_details an `l3` entry, and /server_info's
+`histate_stats` the worker's counters (requests, local and L3 hit tokens, L3 puts, bytes, misses).
+Without it, nothing of this appears and every answer is as before.
+
 Text is the reference tokenizer's (histate/reference/tokenizer.py: one character per token), so every
 streamed token carries non-empty text -- what SGLang's and OpenAI's clients stamp TTFT on. Which
 request fields are served, accepted or refused is api.py's; sampling is greedy whatever `temperature`
@@ -145,9 +150,13 @@ async def _send(response: web.StreamResponse, payload: dict) -> None:
 
 
 def _cached_tokens_details(done: dict) -> dict:
-    """SGLang's cached_tokens_details: reused tokens per cache source."""
+    """SGLang's cached_tokens_details: reused tokens per cache source (local tiers, then L3 when the
+    server has one)."""
     by_tier = done["cached_tokens_by_tier"]
-    return {"device": by_tier.get(Tier.GPU, 0), "host": by_tier.get(Tier.CPU, 0), "storage": by_tier.get(Tier.SSD, 0)}
+    details = {"device": by_tier.get(Tier.GPU, 0), "host": by_tier.get(Tier.CPU, 0), "storage": by_tier.get(Tier.SSD, 0)}
+    if done.get("l3_cached_tokens") is not None:
+        details["l3"] = done["l3_cached_tokens"]
+    return details
 
 
 # --- SGLang /generate ----------------------------------------------------------------------------
@@ -170,6 +179,8 @@ def _sglang_payloads(tokenizer, worker: str):
             meta["histate"] = {k: done[k] for k in ("kv_hit_tokens", "checkpoint_tier", "planned_checkpoint_pages",
                                                     "queue_s", "serve_s")}
             meta["histate"]["worker"] = worker
+            if done.get("l3_cached_tokens") is not None:
+                meta["l3_cached_tokens"] = done["l3_cached_tokens"]
         return [{"text": tokenizer.decode(output_ids), "output_ids": list(output_ids), "meta_info": meta}]
 
     return fmt
@@ -238,11 +249,12 @@ async def _server_info(request: web.Request) -> web.Response:
     No `model_path`: the router would try to fetch a tokenizer of that name from the Hugging Face hub
     (register_tokenizer.rs); `tokenizer_path` is a local directory it does not read from here."""
     engine = request.app[ENGINE]
+    model_facts = {k: v for k, v in engine.info().items() if k != "model_path"}
     return web.json_response({
-        "served_model_name": MODEL_NAME, "tokenizer_path": str(engine.tokenizer_dir), "dp_size": 1,
+        **model_facts, "served_model_name": MODEL_NAME, "tokenizer_path": str(engine.tokenizer_dir), "dp_size": 1,
         "max_running_requests": 1, "max_context_num_tokens": engine.config.max_context_num_tokens,
         "histate_policy": engine.config.policy, "url": f"http://{_worker_address(request)}",
-        "num_requests": request.app[COUNTS]["num_requests"]})
+        "num_requests": request.app[COUNTS]["num_requests"], "histate_stats": engine.server_stats()})
 
 
 async def _health(request: web.Request) -> web.Response:
