@@ -14,7 +14,8 @@ root sessions per server are admitted (the synthetic workload is regenerated wit
 Resumable: every cell is one JSON file under --out/cells, skipped when present.
 
     .venv/bin/python benchmark/scaleout.py [--servers 1 2 4 8 16] [--l3-gb 200] [--trace]
-        [--out out/scaleout] [--docs docs]   # writes scaleout.md and scaleout.png to --docs
+        [--out out/scaleout] [--docs docs]   # the table to --out/scaleout.md (copied into docs/results.md
+                                             # by hand), the plot to --docs/scaleout.png
 """
 from __future__ import annotations
 
@@ -100,12 +101,20 @@ def cells(args) -> list:
     return out
 
 
+def link_words(args) -> str:
+    from histate.sim.l3_link import FLEET_L3_LINK_GBPS, MEASURED_L3_OP_LATENCY_MS
+
+    gbps = args.l3_link_gbps or FLEET_L3_LINK_GBPS
+    latency_ms = args.l3_op_latency_ms if args.l3_op_latency_ms is not None else MEASURED_L3_OP_LATENCY_MS
+    return f"{gbps:g} Gbit/s per server (assumed), {latency_ms:g} ms per operation (measured on loopback)"
+
+
 def markdown(results: list, args) -> str:
     pct = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:.1f}%"
     sec = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f} s"
     workload = "Weka trace" if args.trace else "synthetic agent workload"
     lines = [f"# Scale-out (simulated; {workload}, seed {args.seed}, {args.live_per_server} live sessions and "
-             f"{args.sessions_per_server} sessions per server; L3 link PLACEHOLDER unless stated)", "",
+             f"{args.sessions_per_server} sessions per server; L3 link: {link_words(args)})", "",
              "## (a) servers at constant load per server (simulated)", "",
              "| policy | servers | L3 GB | cluster hit rate | L3 hit Mtok | p95 TTFT | p99 TTFT |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -196,7 +205,7 @@ def main() -> int:
         results.append({**run_cell(args, name, policy, n, l3, fail), "policy": policy})
     args.docs.mkdir(parents=True, exist_ok=True)
     table = markdown(results, args)
-    (args.docs / "scaleout.md").write_text(table)
+    (args.out / "scaleout.md").write_text(table)
     plot(results, args.docs / "scaleout.png")
     print(table)
     return 0
