@@ -70,6 +70,7 @@ class RunResult:
     roots: dict                           # session id -> its root session id (the routing key)
     killed_url: Optional[str] = None
     kill_s: Optional[float] = None        # bench clock (seconds since its start) at the kill
+    kill_after_records: Optional[int] = None  # records completed when the kill fired (the simulator's trigger)
 
     def moved_next_requests(self) -> dict:
         """{root session id: the record of its first request completed after the kill}, for roots that
@@ -83,7 +84,7 @@ class RunResult:
         nxt = {}
         for r in sorted(self.records, key=lambda r: r.completion_s):
             root = self.roots[r.session_id]
-            if root in before and r.arrival_s >= self.kill_s and root not in nxt:
+            if root in before and r.completion_s > self.kill_s and root not in nxt:  # a retried one too
                 nxt[root] = r
         return nxt
 
@@ -119,6 +120,7 @@ def _one_run(name: str, workload: Workload, options: ClusterOptions, with_l3: bo
                 with trigger:
                     if result.killed_url is None:
                         result.kill_s = record.completion_s
+                        result.kill_after_records = done
                         result.killed_url = pool.kill(options.kill_worker).url
 
         bench = BenchOptions(router.url, label=name, progress=options.progress, on_record=on_record,
@@ -167,7 +169,8 @@ def summarize(runs: dict) -> dict:
         same = [baseline[r.uid] for r in moved if r.uid in baseline]
         out["runs"][name] = {
             "requests": len(run.records), "hit_rate": _hit_rate(run.records), "per_worker": per_worker,
-            "killed": run.killed_url, "moved_sessions": len(moved),
+            "killed": run.killed_url, "kill_after_records": run.kill_after_records, "moved_sessions": len(moved),
+            "moved_next_uids": sorted(r.uid for r in moved),
             "moved_next_hit_rate": _hit_rate(moved), "moved_next_l3_hit_tokens": sum(r.l3_hit_tokens for r in moved),
             "moved_next_mean_ttft_s": statistics.fmean(r.ttft_s for r in moved) if moved else math.nan,
             "same_requests_without_failure_hit_rate": _hit_rate(same),
