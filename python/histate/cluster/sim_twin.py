@@ -15,7 +15,9 @@ as benchmark/sim_vs_live.py configures the single-server twin):
     the workload's 64-token pages;
   * one request at a time, one chunk per prefill (`EngineConfig(max_running_requests=1)`), outputs
     never cached (`caches_outputs=False`: the next prompt is built from page keys, bench/prompts.py,
-    and never contains the worker's greedy tokens);
+    and never contains the worker's greedy tokens), and a prompt matched and cached over its first
+    L-1 tokens (`matches_last_prompt_token=False`: the executor keys `token_ids[:-1]`,
+    reference/executor.py `serve`; without it every page-aligned prompt is one page off);
   * admission as the bench's: one client, `max_live_sessions` roots live across the fleet
     (`max_live_sessions_total`), all released at once (`stagger_s=0`), same seed;
   * L3: a store of the segment's size, the worker's write rule (core/l3_policy.py, L3WriteConfig
@@ -111,7 +113,7 @@ def simulate(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOpti
                           ssd_cache_bytes=int(ssd * MiB), max_live_sessions=options.max_live_sessions,
                           seed=options.seed, stagger_s=0.0,
                           engine=EngineConfig(token_budget_per_step=1 << 30, max_running_requests=1,
-                                              caches_outputs=False),
+                                              caches_outputs=False, matches_last_prompt_token=False),
                           step_cost=RooflineStepCost(model, get_hardware("h100"), options.step_overhead_s))
     cluster = ClusterConfig(
         num_servers=len(live.worker_urls), router="fixed", placement=live.placement(root_ids(workload)),

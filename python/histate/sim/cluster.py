@@ -144,7 +144,7 @@ class _L3Gate(CacheGate):
         held = self.held[req.request_id]
         P = self.page_num_tokens
         local_pages = held.lease.match.num_reused_pages
-        keys = held.request.keys_through(context_num_tokens // P)
+        keys = held.request.keys_through(self.match_pages(context_num_tokens))
         found = self.l3_lookup(keys, local_pages, now_s)
         if found is None:
             self.l3_pages.setdefault(req.request_id, 0)
