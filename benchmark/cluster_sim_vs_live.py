@@ -23,8 +23,8 @@ from histate.cluster.sim_twin import (DEFAULT_STEP_OVERHEAD_S, MiB, TwinOptions,
 
 def run_live(args, out_dir: Path) -> None:
     cmd = [sys.executable, "-m", "histate.cli", "cluster", "--workers", str(args.workers), "--sessions", str(args.sessions),
-           "--turns", str(args.turns), "--max-live-sessions", str(args.max_live_sessions), "--kill-worker",
-           str(args.kill_worker), "--kill-after", str(args.kill_after), "--l3-mib", str(args.l3_mib), "--seed",
+           "--turns", str(args.turns), "--max-live-sessions", str(args.max_live_sessions), *(["--kill-worker", str(args.kill_worker)]
+           if args.kill_worker is not None else []), "--kill-after", str(args.kill_after), "--l3-mib", str(args.l3_mib), "--seed",
            str(args.seed), "--out", str(out_dir), "--no-progress"]
     subprocess.run(cmd, check=True)
 
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-live-sessions", type=int, default=4)
-    ap.add_argument("--kill-worker", type=int, default=0)
+    ap.add_argument("--kill-worker", type=int, default=None, help="default: histate cluster's (the busiest at the kill)")
     ap.add_argument("--kill-after", type=float, default=0.5)
     ap.add_argument("--l3-mib", type=float, default=512.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -355,18 +355,19 @@ def _add_serve_parser(sub) -> None:
                                        "kills a worker mid-run and reports what failover costs",
                        description="Starts a Mooncake master and store service, N `histate serve` workers sharing "
                                    "it as L3, and sglang-router --policy manual in front, all on 127.0.0.1; sends "
-                                   "the synthetic agent workload through the router three times (L3 without "
-                                   "failure, L3 with worker K killed mid-run, no L3 with the same kill) and "
-                                   "prints per-worker hit rates and the moved sessions' next requests. Stops "
-                                   "everything it started (docs/scaleout.md).")
+                                   "the synthetic agent workload through the router four times (L3 without "
+                                   "failure, L3 with a worker killed mid-run, no L3 with the same kill, L3 with "
+                                   "the store service killed mid-run), checks every answer against a cold "
+                                   "recompute, and prints per-worker hit rates and the moved sessions' next "
+                                   "requests. Stops everything it started (docs/scaleout.md).")
     k.add_argument("--workers", type=_number("workers", at_least=2, integer=True), default=2, help="workers (2)")
     k.add_argument("--sessions", type=_number("sessions", at_least=1, integer=True), default=8,
                    help="agent sessions of the synthetic workload (8)")
     k.add_argument("--turns", type=_number("turns", at_least=2, integer=True), default=4, help="turns per session (4)")
-    k.add_argument("--max-live-sessions", type=_number("sessions", at_least=1, integer=True), default=4,
-                   help="sessions in flight at once (4)")
-    k.add_argument("--kill-worker", type=_number("", at_least=0, integer=True), default=0,
-                   help="index of the worker SIGKILLed mid-run (0)")
+    k.add_argument("--max-live-sessions", type=_number("sessions", at_least=1, integer=True),
+                   help="sessions in flight at once (default: all, so every session is mid-way at the kill)")
+    k.add_argument("--kill-worker", type=_number("", at_least=0, integer=True),
+                   help="index of the worker SIGKILLed mid-run (default: the one that has served the most sessions)")
     k.add_argument("--kill-after", type=_number("", above=0, at_most=0.99), default=0.5,
                    help="fraction of the requests completed when it dies (0.5)")
     k.add_argument("--l3-mib", type=_number("MiB", at_least=16), default=512.0,
@@ -742,12 +743,13 @@ def cluster_workload(args):
 
 
 def cluster_command(args) -> int:
-    from .cluster.run import ClusterOptions, format_report, run_cluster, summarize, write_report
+    from .cluster.run import ClusterOptions, cold_output_digests, format_report, run_cluster, summarize, write_report
     from .l3.services import unavailable_reason
 
     try:
         options = ClusterOptions(num_workers=args.workers, kill_worker=args.kill_worker,
-                                 kill_after_fraction=args.kill_after, max_live_sessions=args.max_live_sessions,
+                                 kill_after_fraction=args.kill_after,
+                                 max_live_sessions=args.max_live_sessions or args.sessions,
                                  seed=args.seed, l3_segment_bytes=int(args.l3_mib * 2**20),
                                  progress=not args.no_progress)
     except ValueError as err:
@@ -764,7 +766,7 @@ def cluster_command(args) -> int:
         return 2
     workload = cluster_workload(args)
     runs = run_cluster(workload, options, args.out / "logs")
-    summary = summarize(runs)
+    summary = summarize(runs, cold_output_digests(workload, args.seed))
     write_report(summary, runs, args.out)
     print(format_report(summary))
     print(f"wrote {args.out}/report.md, summary.json, requests.csv")

@@ -31,6 +31,7 @@ where its prefix cache is; a server without a router ignores the header.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -63,6 +64,12 @@ class Completion:
     kv_hit_tokens: Optional[int] = None  # histate's KV match (>= cached), when the server reports it
     server: Optional[str] = None         # the worker that served it (histate serve names itself)
     l3_hit_tokens: Optional[int] = None  # of cached_tokens, those read from the shared L3 store
+    output_digest: str = ""              # BLAKE2b of the output ids, when the server streams them
+
+
+def output_digest(output_ids: list) -> str:
+    """A short, exact name of an output: equal digests = equal token ids (what exactness checks compare)."""
+    return hashlib.blake2b(",".join(map(str, output_ids)).encode(), digest_size=12).hexdigest()
 
 
 @dataclass(slots=True)
@@ -188,9 +195,11 @@ class SGLangBackend(_Backend):
             values[field] = value
         histate = meta.get("histate") if isinstance(meta.get("histate"), dict) else {}
         kv_hit, l3_hit, worker = histate.get("kv_hit_tokens"), meta.get("l3_cached_tokens"), histate.get("worker")
+        output_ids = event.get("output_ids")
         return Completion(0.0, 0.0, values["prompt_tokens"], values["completion_tokens"], values["cached_tokens"],
                           kv_hit if isinstance(kv_hit, int) else None,
-                          worker if isinstance(worker, str) else None, l3_hit if isinstance(l3_hit, int) else None)
+                          worker if isinstance(worker, str) else None, l3_hit if isinstance(l3_hit, int) else None,
+                          output_digest(output_ids) if isinstance(output_ids, list) else "")
 
     async def server_info(self, http: aiohttp.ClientSession) -> ServerInfo:
         info = await self._get_json(http, "/get_model_info")

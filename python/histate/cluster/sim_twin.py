@@ -8,7 +8,7 @@ What is taken from the live run (its out dir: requests.csv, summary.json):
     router's draw for a new key is random, manual.rs, so no seed reproduces it) -> router `fixed`;
     worker index = position in the summary's per-worker list (the pool's start order);
   * the kill: the killed worker and how many records had completed when it fired
-    (`kill_after_records`) -> `fail_after_requests`.
+    (`kill_after_requests`) -> `fail_after_requests`.
 What is configured to match a worker (`histate serve` defaults, histate/serve/engine.py ServeConfig,
 as benchmark/sim_vs_live.py configures the single-server twin):
   * model tiny-qwen3.5 (the reference model's spec), the worker's tier budgets (64 / 256 / 1024 MiB),
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from histate.cluster.run import RUN_NAMES, root_ids
+from histate.cluster.run import root_ids
 from histate.core.l3_policy import L3WriteConfig
 from histate.sim.cluster import ClusterConfig, ClusterRun, replay_cluster
 from histate.sim.costs import RooflineStepCost, get_hardware, get_model
@@ -62,7 +62,7 @@ class LiveRun:
     worker_urls: list                 # the pool's start order = server index
     records: list                     # dicts of requests.csv (ints where numeric)
     killed: Optional[int]             # server index of the killed worker
-    kill_after_records: Optional[int]
+    kill_after_requests: Optional[int]
     moved_next_uids: list
 
     def placement(self, roots: dict) -> dict:
@@ -89,10 +89,10 @@ def read_live(out_dir: Path) -> dict:
     runs = {}
     for name, s in summary.items():
         urls = list(s["per_worker"])
-        if s.get("killed") and s.get("kill_after_records") is None:
-            raise ValueError(f"{out_dir}: run {name!r} has a kill but no kill_after_records (an older histate cluster)")
+        if s.get("killed") and s.get("kill_after_requests") is None:
+            raise ValueError(f"{out_dir}: run {name!r} has a kill but no kill_after_requests (an older histate cluster)")
         runs[name] = LiveRun(name, urls, rows[name], urls.index(s["killed"]) if s.get("killed") else None,
-                             s.get("kill_after_records"), list(s.get("moved_next_uids", [])))
+                             s.get("kill_after_requests"), list(s.get("moved_next_uids", [])))
     return runs
 
 
@@ -119,7 +119,7 @@ def simulate(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOpti
         num_servers=len(live.worker_urls), router="fixed", placement=live.placement(root_ids(workload)),
         l3_store=L3StoreConfig(options.l3_segment_bytes if with_l3 else 0), l3_link=LOOPBACK_L3_LINK,
         l3_write=L3WriteConfig(), max_live_sessions_total=options.max_live_sessions,
-        fail_after_requests=(live.killed, live.kill_after_records) if live.killed is not None else None)
+        fail_after_requests=(live.killed, live.kill_after_requests) if live.killed is not None else None)
     return replay_cluster(workload, "histate", config, cluster)
 
 
@@ -154,13 +154,15 @@ def sim_metrics(run: ClusterRun) -> dict:
 
 
 WITH_L3 = {"l3": True, "l3+kill": True, "no-l3+kill": False}
+"""The runs with a twin, and whether L3 is on in each (cluster/run.py RUN_PLAN)."""
 
 
 def compare(workload: Workload, live_runs: dict, options: TwinOptions) -> dict:
-    """{run name: {"live": metrics, "sim": metrics}} for the three runs of `histate cluster`."""
+    """{run name: {"live": metrics, "sim": metrics}} for the runs of `histate cluster` that kill no store
+    service (`l3+store-kill` has no twin: sim/l3.py does not model a store service's failure)."""
     return {name: {"live": live_metrics(live_runs[name]),
-                   "sim": sim_metrics(simulate(workload, live_runs[name], WITH_L3[name], options))}
-            for name in RUN_NAMES if name in live_runs}
+                   "sim": sim_metrics(simulate(workload, live_runs[name], with_l3, options))}
+            for name, with_l3 in WITH_L3.items() if name in live_runs}
 
 
 def _points(a: float, b: float) -> str:

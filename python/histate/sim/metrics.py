@@ -37,6 +37,7 @@ class RequestRecord:
     session_index: int = 0  # position of the request in its session (0: the session's first, cold)
     server: str = ""        # which server served it, where there are several (live: the worker's URL)
     l3_hit_tokens: int = 0  # of reused_tokens, those restored from the shared L3 store
+    output_digest: str = ""  # live runs: BLAKE2b of the output token ids (exactness checks across runs)
 
     @property
     def ttft_s(self) -> float:
