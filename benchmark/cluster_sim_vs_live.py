@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from histate.cli import cluster_workload
-from histate.cluster.sim_twin import (DEFAULT_STEP_OVERHEAD_S, MiB, TwinOptions, compare, format_table, max_gap_points,
+from histate.cluster.sim_twin import (MiB, TwinOptions, compare, format_table, max_gap_points,
                                       read_live)
 
 
@@ -39,8 +39,8 @@ def main() -> int:
     ap.add_argument("--kill-after", type=float, default=0.5)
     ap.add_argument("--l3-mib", type=float, default=512.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--step-overhead-ms", type=float, default=DEFAULT_STEP_OVERHEAD_S * 1e3,
-                    help="simulated time per forward pass (orders completions; sim_twin.py)")
+    ap.add_argument("--step-overhead-ms", type=float, default=None,
+                    help="simulated time per forward pass (default: fitted to the live l3 run's duration, sim_twin.py)")
     ap.add_argument("--reuse", type=Path, help="a `histate cluster` out dir run with these same workload flags")
     ap.add_argument("--out", type=Path, default=Path("out/cluster_sim_vs_live"))
     args = ap.parse_args()
@@ -50,7 +50,7 @@ def main() -> int:
         run_live(args, live_dir)
     workload = cluster_workload(args)   # the CLI's own builder, same flags and seed
     options = TwinOptions(max_live_sessions=args.max_live_sessions, seed=args.seed,
-                          l3_segment_bytes=int(args.l3_mib * MiB), step_overhead_s=args.step_overhead_ms / 1e3)
+                          l3_segment_bytes=int(args.l3_mib * MiB), step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3)
     table = compare(workload, read_live(live_dir), options)
     text = format_table(table)
     gaps = max_gap_points(table)

@@ -23,14 +23,15 @@ as benchmark/sim_vs_live.py configures the single-server twin):
   * L3: a store of the segment's size, the worker's write rule (core/l3_policy.py, L3WriteConfig
     defaults = serve's --l3-pin-ttl-s default), the loopback link measured in sim/l3_link.py.
 Timing is a roofline with a per-step overhead (`step_overhead_s`) standing in for the CPU worker's
-forward pass: it orders completions (which the kill trigger counts), not what is compared.
+forward pass, fitted so the simulated `l3` run lasts as long as the live one: it orders completions
+against arrivals (which sessions a kill at the K-th completion moves), not what is compared.
 """
 from __future__ import annotations
 
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -49,9 +50,6 @@ MODEL = "tiny-qwen3.5"   # the simulator's spec of histate serve's model (benchm
 SERVE_BUDGETS_MIB = (64, 256, 1024)
 """`histate serve` defaults --gpu-mib / --cpu-mib / --ssd-mib (serve/engine.py ServeConfig); `histate
 cluster` passes no budget flags to its workers (ClusterOptions.worker_args is empty)."""
-DEFAULT_STEP_OVERHEAD_S = 0.02
-"""Per forward pass of the tiny model on one CPU core, roughly: the live TTFTs of an unqueued request
-are 25-40 ms (one prefill plus the client's round trip)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,7 @@ def read_live(out_dir: Path) -> dict:
         for row in csv.DictReader(f):
             for key in ("uid", "input_tokens", "reused_tokens", "l3_hit_tokens"):
                 row[key] = int(row[key])
-            row["arrival_s"] = float(row["arrival_s"])
+            row["arrival_s"], row["ttft_s"] = float(row["arrival_s"]), float(row["ttft_s"])
             rows[row["run"]].append(row)
     runs = {}
     for name, s in summary.items():
@@ -102,7 +100,7 @@ class TwinOptions:
     seed: int = 0
     l3_segment_bytes: int = 512 * MiB
     budgets_mib: tuple = SERVE_BUDGETS_MIB
-    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+    step_overhead_s: Optional[float] = None   # None: fitted to the live `l3` run (fit_step_overhead_s)
 
 
 def simulate(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOptions) -> ClusterRun:
@@ -121,6 +119,25 @@ def simulate(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOpti
         l3_write=L3WriteConfig(), max_live_sessions_total=options.max_live_sessions,
         fail_after_requests=(live.killed, live.kill_after_requests) if live.killed is not None else None)
     return replay_cluster(workload, "histate", config, cluster)
+
+
+def fit_step_overhead_s(workload: Workload, live: LiveRun, options: TwinOptions, iterations: int = 12) -> float:
+    """The per-pass time at which the simulated twin of `live` (the no-failure `l3` run) takes as long
+    as the live run did, last first token to last first token (bisection; the makespan grows with the
+    per-pass time). Why: the kill fires at a completion count, and which requests are in flight or
+    already sent at that moment -- so which sessions move -- depends on how long a request takes
+    relative to the workload's gaps; a simulated worker twice as fast as the live one moved other
+    sessions (the test's first run at a fixed 20 ms: 6.6 points on the moved sessions' hit rate)."""
+    target_s = max(r["arrival_s"] + r["ttft_s"] for r in live.records)
+    lo, hi = 1e-4, 0.5
+    for _ in range(iterations):
+        mid = (lo * hi) ** 0.5
+        run = simulate(workload, live, True, replace(options, step_overhead_s=mid))
+        if max(r.first_token_s for r in run.records) < target_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
 
 
 def hit_rate(input_tokens: list, reused_tokens: list) -> float:
@@ -160,6 +177,8 @@ WITH_L3 = {"l3": True, "l3+kill": True, "no-l3+kill": False}
 def compare(workload: Workload, live_runs: dict, options: TwinOptions) -> dict:
     """{run name: {"live": metrics, "sim": metrics}} for the runs of `histate cluster` that kill no store
     service (`l3+store-kill` has no twin: sim/l3.py does not model a store service's failure)."""
+    if options.step_overhead_s is None:
+        options = replace(options, step_overhead_s=fit_step_overhead_s(workload, live_runs["l3"], options))
     return {name: {"live": live_metrics(live_runs[name]),
                    "sim": sim_metrics(simulate(workload, live_runs[name], with_l3, options))}
             for name, with_l3 in WITH_L3.items() if name in live_runs}
