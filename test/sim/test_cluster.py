@@ -218,3 +218,64 @@ def test_policies_without_a_real_l3_path_get_none():
     run = replay_cluster(w, "vllm-marconi", config, ClusterConfig(num_servers=2, l3_store=L3StoreConfig(10**12)))
     assert run.l3_stats is None and not run.has_l3 and sum(run.l3_hit_tokens_by_uid.values()) == 0
     assert math.isfinite(max(r.ttft_s for r in run.records))
+
+
+# --- fixed placement and the failure after the K-th completion (benchmark/cluster_sim_vs_live.py) ---
+
+def test_fixed_router_follows_the_recorded_workers_then_falls_back_to_manual():
+    """Placement a -> 1, b -> (0, 2) on 3 servers. a goes to 1, b to 0; server 0 dies: b goes to its
+    next recorded worker, 2 (not wherever the hash puts it); server 1 dies: a, with no recorded
+    worker left, goes to the only live one, 2. An unrecorded key c is placed by the manual rule
+    (rendezvous sha1(seed, key, server), restated). (Bugs caught: ignoring the recorded order after a
+    failure; refusing unrecorded keys.)"""
+    from histate.sim.router import make_router
+
+    router = make_router("fixed", 3, seed=0, placement={"a": 1, "b": (0, 2)})
+    assert router.route("a", (), [0] * 3) == 1
+    assert router.route("b", (), [0] * 3) == 0
+    owner = max([0, 1, 2], key=lambda s: hashlib.sha1(f"0\x00c\x00{s}".encode()).digest())
+    assert router.route("c", (), [0] * 3) == owner
+    router.remove(0)
+    assert router.route("b", (), [0] * 3) == 2
+    assert router.route("a", (), [0] * 3) == 1
+    router.remove(1)
+    assert router.route("a", (), [0] * 3) == 2
+    with pytest.raises(ValueError):
+        make_router("fixed", 2, placement={"a": 2})
+    with pytest.raises(ValueError):
+        make_router("manual", 2, placement={"a": 1})
+
+
+def test_failure_after_the_kth_completed_request_moves_the_dead_servers_root():
+    """Roots r0 (requests 30 s apart) on server 0 and r1 (40 s apart) on server 1, 3 requests each,
+    distinct keys. Completions in time order: r0#0 (~30 s), r1#0 (~40 s), r0#1 (~60 s) -- the 3rd, so
+    server 0 dies when r0#1 completes. r0#2 (~90 s) then runs on server 1 and, without L3, reuses
+    nothing (server 1 never saw r0's keys); r1 stays on 1 and keeps reusing its own pages.
+    (Bugs caught: counting arrivals instead of completions; failing at time 0 or never.)"""
+    r0 = _session("r0", 1000, 3, 30.0)
+    r1 = _session("r1", 2000, 3, 40.0)
+    w = _workload([r0, r1])
+    config = ReplayConfig(model="tiny-qwen3.5", max_live_sessions=2, stagger_s=0.0)
+    cluster = ClusterConfig(num_servers=2, router="fixed", placement={"r0": 0, "r1": 1}, fail_after_requests=(0, 3))
+    run = replay_cluster(w, "histate", config, cluster)
+    by_uid = {r.uid: r for r in run.records}
+    # uids: r0 -> 0, 1, 2; r1 -> 3, 4, 5 (_renumber)
+    assert run.servers[0].failed_at_s == by_uid[1].completion_s
+    assert 60 < run.servers[0].failed_at_s < 61
+    assert [run.server_of_uid[u] for u in range(6)] == [0, 0, 1, 1, 1, 1]
+    assert run.moved_roots == ["r0"] and run.first_after_move_uids == [2]
+    assert by_uid[2].reused_tokens == 0
+    assert by_uid[4].reused_tokens > 0 and by_uid[1].reused_tokens > 0
+    assert run.servers[0].requests == 2 and run.servers[1].requests == 4
+
+
+def test_fleet_live_session_limit_admits_one_root_at_a_time():
+    """max_live_sessions_total=1 on 2 servers: the second root's first request arrives only after the
+    first root's last request completed (30 s gap after its release), whatever max_live_sessions says."""
+    w = _workload([_session("r0", 1000, 2, 30.0), _session("r1", 2000, 2, 30.0)])
+    config = ReplayConfig(model="tiny-qwen3.5", max_live_sessions=4, stagger_s=0.0)
+    run = replay_cluster(w, "histate", config, ClusterConfig(num_servers=2, max_live_sessions_total=1))
+    first, second = sorted({r.session_id for r in run.records}, key=lambda s: min(
+        r.arrival_s for r in run.records if r.session_id == s))
+    last_done = max(r.completion_s for r in run.records if r.session_id == first)
+    assert min(r.arrival_s for r in run.records if r.session_id == second) == pytest.approx(last_done + 30.0)

@@ -214,6 +214,7 @@ def summarize(runs: dict, cold_digests: Optional[dict] = None) -> dict:
         out["runs"][name] = {
             "requests": len(run.records), "hit_rate": _hit_rate(run.records), "per_worker": per_worker,
             "killed": run.killed_url, "moved_sessions": len(moved),
+            "moved_next_uids": sorted(r.uid for r in moved),
             "moved_next_hit_rate": _hit_rate(moved), "moved_next_l3_hit_tokens": sum(r.l3_hit_tokens for r in moved),
             "moved_next_mean_ttft_s": statistics.fmean(r.ttft_s for r in moved) if moved else math.nan,
             "same_requests_without_failure_hit_rate": _hit_rate(same),

@@ -155,12 +155,19 @@ class CacheGate(MemoryGate):
         drops the session's references under `--enable-session-radix-cache` (core/sessions.py)."""
         self.cache.close_session(session_id, now_s)
 
+    def match_pages(self, context_num_tokens: int) -> int:
+        """Pages of a context the cache may match and keep: all of its full pages, or those of its first
+        L-1 tokens on an engine that always prefills the last one (EngineConfig.matches_last_prompt_token)."""
+        if not self.profile.engine.matches_last_prompt_token:
+            context_num_tokens -= 1
+        return max(0, context_num_tokens) // self.page_num_tokens
+
     # --- MemoryGate ----------------------------------------------------------------------------------
     def admit(self, req: EngineRequest, context_num_tokens: int, now_s: float, idle: bool) -> Optional[EngineRequest]:
         self._serving(req.request_id)
         held = self.held[req.request_id]
         request, cache = held.request, self.cache
-        keys = request.keys_through(context_num_tokens // self.page_num_tokens)
+        keys = request.keys_through(self.match_pages(context_num_tokens))
         state_bytes = self.profile.working_states * self.state_bytes
         if not idle and not self._fits(self._need_bytes(request, context_num_tokens, None), state_bytes):
             # the bound (whatever the request reuses) fails; vLLM's exact need depends on the match
@@ -180,7 +187,7 @@ class CacheGate(MemoryGate):
         if held.first_match is None:
             held.first_match = m
             if cache.policy.captures_in_pass:  # planned as the first pass is built (sglang_plugin/capture.py)
-                held.plan_pages = cache.plan_checkpoints(lease, request.input_num_tokens // self.page_num_tokens)
+                held.plan_pages = cache.plan_checkpoints(lease, self.match_pages(request.input_num_tokens))
         self.stats.admissions += 1
         self.on_cache_change(now_s)
         return EngineRequest(req.request_id, context_num_tokens - reused, context_num_tokens, req.output_num_tokens,
@@ -281,7 +288,7 @@ class CacheGate(MemoryGate):
         held.lease = None
         if lease is None:
             return None
-        prompt_pages = min(prompt_tokens, kv_tokens) // P
+        prompt_pages = min(self.match_pages(prompt_tokens), kv_tokens // P)
         output_end = kv_tokens // P if kv_tokens > prompt_tokens else None
         if held.plan_pages is not None:
             positions = self._captured(held, lease, prompt_pages, step_end_tokens, output_end)

@@ -24,7 +24,9 @@ after the local cache match, the server asks L3 for the longest restorable prefi
 `core.l3_policy.restorable_pages`); if it is longer than the local reuse, the pages beyond it and
 the state at its end are read over the L3 link and H2D instead of being recomputed (engine.py).
 
-Failure (`fail_server=(K, T)`): at simulated time T server K disappears with its private tiers; its
+Failure (`fail_server=(K, T)`, or `fail_after_requests=(K, N)`: at the completion of the N-th
+request cluster-wide, as `histate cluster` SIGKILLs its worker from the bench's on_record callback
+once that many records are in, python/histate/cluster/run.py): at simulated time T server K disappears with its private tiers; its
 requests in flight are lost and retried at T on the server the router now picks (TTFT still counts
 from the original arrival); its L3 puts still in transfer are lost; its sessions move with their
 routing keys. The root sessions that were mapped to K are "moved"; the first request of each after T
@@ -41,7 +43,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from ..core import HybridPrefixCache, Tier, make_policy
 from ..core.l3_policy import L3WriteConfig, plan_l3_writes
@@ -67,10 +69,25 @@ class ClusterConfig:
     l3_link: L3LinkSpec = FLEET_L3_LINK
     l3_write: L3WriteConfig = field(default_factory=L3WriteConfig)
     fail_server: Optional[tuple] = None   # (server index, simulated time s)
+    fail_after_requests: Optional[tuple] = None   # (server index, completed requests cluster-wide)
+    placement: Optional[Mapping] = None   # router "fixed": routing key -> server(s) (router.py)
+    max_live_sessions_total: Optional[int] = None
+    """Live root sessions of the whole fleet; None: `max_live_sessions` per server. `histate cluster`
+    admits through one bench client, so its limit is the fleet's (bench/sessions.py `_admit_all`)."""
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
+        if self.fail_server is not None and self.fail_after_requests is not None:
+            raise ValueError("fail_server and fail_after_requests: one failure at most")
+        if self.fail_after_requests is not None:
+            k, n = self.fail_after_requests
+            if not 0 <= k < self.num_servers or n < 1:
+                raise ValueError(f"fail_after_requests ({k}, {n}): need 0 <= K < {self.num_servers} and N >= 1")
+            if self.num_servers < 2:
+                raise ValueError("fail_after_requests needs at least 2 servers (the sessions must move somewhere)")
+        if self.max_live_sessions_total is not None and self.max_live_sessions_total < 1:
+            raise ValueError(f"max_live_sessions_total must be >= 1, got {self.max_live_sessions_total}")
         if self.fail_server is not None:
             k, t = self.fail_server
             if not 0 <= k < self.num_servers or not (t >= 0 and math.isfinite(t)):
@@ -127,7 +144,7 @@ class _L3Gate(CacheGate):
         held = self.held[req.request_id]
         P = self.page_num_tokens
         local_pages = held.lease.match.num_reused_pages
-        keys = held.request.keys_through(context_num_tokens // P)
+        keys = held.request.keys_through(self.match_pages(context_num_tokens))
         found = self.l3_lookup(keys, local_pages, now_s)
         if found is None:
             self.l3_pages.setdefault(req.request_id, 0)
@@ -235,8 +252,8 @@ class _ClusterReplay:
         self.store = L3Store(cluster.l3_store) if l3_rule else None
         self.pending_puts: list = []  # heap of (visible_s, seq, server index, objects)
         self.servers = [_Server(i, workload, policy, config, self, l3_rule) for i in range(cluster.num_servers)]
-        self.router = make_router(cluster.router, cluster.num_servers, config.seed)
-        self.max_live = config.max_live_sessions * cluster.num_servers
+        self.router = make_router(cluster.router, cluster.num_servers, config.seed, cluster.placement)
+        self.max_live = cluster.max_live_sessions_total or config.max_live_sessions * cluster.num_servers
         self.arrivals: list = []   # heap of (time_s, seq, _SessionRun, Request)
         self.seq = 0
         self.runs: dict = {}
@@ -251,6 +268,8 @@ class _ClusterReplay:
         self.first_after_move: list = []
         self._l3_hits: dict = {}
         self.failure = cluster.fail_server
+        self.fail_after_requests = cluster.fail_after_requests
+        self.num_completed = 0
         self.queue = admission_order(workload, config)[::-1]
         self.num_live = 0
 
@@ -409,6 +428,11 @@ class _ClusterReplay:
         stats.reused_tokens += record.reused_tokens
         stats.l3_hit_tokens += self._l3_hits[uid]
         self.on_request_done()
+        self.num_completed += 1
+        if self.fail_after_requests is not None and self.num_completed == self.fail_after_requests[1]:
+            # the failure at this completion's time; the loop runs it before anything later, and
+            # before this session's next arrival even at gap 0 (the kill precedes the next send live)
+            self.failure, self.fail_after_requests = (self.fail_after_requests[0], t), None
         index = run.next_index
         run.next_index += 1
         for child in self.children.pop((run.session.session_id, index), []):

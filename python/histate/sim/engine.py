@@ -92,6 +92,10 @@ class EngineConfig:
     caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
     #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
     #   prompts come from the trace's hash ids), so nothing past the prompt can be reused there
+    matches_last_prompt_token: bool = True  # False: a prompt of L tokens is matched and cached over its
+    #   first L-1 tokens, (L-1) // page pages, not L // page: `histate serve` keys `page_keys(token_ids[:-1])`
+    #   (reference/executor.py `serve`), so the last token is always prefilled for the logits that start
+    #   the decode; a page-aligned prompt then leaves its last page uncached
 
     def __post_init__(self) -> None:
         if (self.token_budget_per_step < 1 or self.max_running_requests < 1 or self.io_unit_bytes < 1

@@ -11,6 +11,15 @@ sets one header per conversation), and the uniform draw is replaced by rendezvou
 weight) hashing of the key over the live workers: uniform like the draw, but deterministic per seed,
 so two runs of a benchmark (with and without a failure) place every key identically.
 
+`fixed`: `manual` with the new keys' draw replaced by a recorded placement -- routing key -> the
+workers a live run (`histate cluster`, requests.csv) served it on, in order. It exists to replay a
+live run's sessions on the same workers (benchmark/cluster_sim_vs_live.py): the live router's draw is
+random (manual.rs `ManualAssignmentMode::Random`), so no seed reproduces it. A key's recorded
+workers become its candidates the way manual.rs appends a newly selected worker to a key's
+candidates: the first live one serves it; once the recorded ones are all dead the key is re-placed as
+`manual` re-places it (rendezvous over the live workers; with 2 workers, the other one). Keys the
+placement does not name fall back to `manual` outright.
+
 `cache_aware` (sgl-model-gateway `src/policies/cache_aware.rs`): an approximate radix tree per worker
 built from the requests the router sent there (never from the workers' real caches). If the load is
 imbalanced, i.e. `max - min > balance_abs_threshold` AND `max > min * balance_rel_threshold` (loads =
@@ -26,9 +35,9 @@ is never trimmed (the gateway evicts LRU leaves past `max_tree_size`).
 from __future__ import annotations
 
 import hashlib
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence
 
-ROUTER_POLICIES = ("manual", "cache_aware")
+ROUTER_POLICIES = ("manual", "cache_aware", "fixed")
 DEFAULT_CACHE_THRESHOLD = 0.3
 DEFAULT_BALANCE_ABS_THRESHOLD = 64
 DEFAULT_BALANCE_REL_THRESHOLD = 1.5
@@ -68,6 +77,34 @@ class ManualRouter:
 
     def remove(self, server: int) -> None:
         self.live.remove(server)
+
+
+class FixedRouter(ManualRouter):
+    """`manual` with a recorded placement for new keys (module docstring)."""
+
+    name = "fixed"
+
+    def __init__(self, num_servers: int, placement: Mapping, seed: int = 0) -> None:
+        super().__init__(num_servers, seed)
+        self.placement = {}
+        for key, servers in placement.items():
+            servers = (servers,) if isinstance(servers, int) else tuple(servers)
+            bad = [s for s in servers if not 0 <= s < num_servers]
+            if not servers or bad:
+                raise ValueError(f"placement of {key!r}: servers {servers} not in 0..{num_servers - 1}")
+            self.placement[key] = servers
+
+    def route(self, routing_key: Hashable, page_keys: Sequence, loads: Sequence[int]) -> int:
+        chosen = self.candidates.setdefault(routing_key, [])
+        for server in self.placement.get(routing_key, ()):
+            if server not in chosen:
+                chosen.append(server)   # the recorded workers, in the order the live run used them
+        for server in chosen:
+            if server in self.live:
+                return server
+        server = rendezvous_owner(routing_key, self.live, self.seed)
+        chosen.append(server)
+        return server
 
 
 class CacheAwareRouter:
@@ -114,7 +151,13 @@ class CacheAwareRouter:
         self.trees.pop(server, None)
 
 
-def make_router(name: str, num_servers: int, seed: int = 0):
+def make_router(name: str, num_servers: int, seed: int = 0, placement: Optional[Mapping] = None):
+    """The router `name`; `placement` (routing key -> server index, or the indices in the order a live
+    run used them) is the `fixed` router's, and only its."""
+    if (name == "fixed") != (placement is not None):
+        raise ValueError("the fixed router needs a placement, and only it takes one")
+    if name == "fixed":
+        return FixedRouter(num_servers, placement, seed)
     if name == "manual":
         return ManualRouter(num_servers, seed)
     if name == "cache_aware":
