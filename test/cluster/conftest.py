@@ -23,3 +23,31 @@ def cluster(tmp_path):
     """Two workers behind a --policy manual router: (pool, router)."""
     with WorkerPool(2, base_dir=tmp_path) as pool, Router(pool.urls, log_dir=tmp_path) as router:
         yield pool, router
+
+
+CLUSTER_ARGS = dict(sessions=6, turns=4, seed=3)
+CLUSTER_LIVE_SESSIONS = 6
+CLUSTER_L3_BYTES = 64 * 2**20
+
+
+@pytest.fixture(scope="session")
+def cluster_report(tmp_path_factory):
+    """One `histate cluster` run (its four runs, every answer checked against a cold recompute), shared
+    by the failover tests and the simulator's twin: (workload, output directory, summary)."""
+    import argparse
+
+    from histate.cli import cluster_workload
+    from histate.cluster.run import ClusterOptions, cold_output_digests, run_cluster, summarize, write_report
+    from histate.l3.services import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"Mooncake is unavailable: {reason}")
+    workload = cluster_workload(argparse.Namespace(**CLUSTER_ARGS))
+    options = ClusterOptions(num_workers=2, max_live_sessions=CLUSTER_LIVE_SESSIONS, seed=CLUSTER_ARGS["seed"],
+                             kill_after_fraction=0.5, l3_segment_bytes=CLUSTER_L3_BYTES, progress=False)
+    out = tmp_path_factory.mktemp("cluster")
+    runs = run_cluster(workload, options, out / "logs")
+    summary = summarize(runs, cold_output_digests(workload, CLUSTER_ARGS["seed"]))
+    write_report(summary, runs, out)
+    return workload, out, summary

@@ -2,25 +2,13 @@
 from L3, and no fault -- a worker killed, the store service killed -- makes any answer differ from a
 cold recompute of its prompt. Real Mooncake master + store service, real `histate serve` workers with
 --l3-master, real sglang-router --policy manual; 127.0.0.1 only."""
-import argparse
-
 import pytest
-
-from histate.cli import cluster_workload
-from histate.cluster.run import ClusterOptions, cold_output_digests, run_cluster, summarize
-from histate.l3.services import unavailable_reason
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    workload = cluster_workload(argparse.Namespace(sessions=6, turns=4, seed=3))
-    options = ClusterOptions(num_workers=2, max_live_sessions=6, seed=3, kill_after_fraction=0.5,
-                             l3_segment_bytes=256 * 2**20, progress=False)
-    runs = run_cluster(workload, options, tmp_path_factory.mktemp("cluster"))
-    return workload, summarize(runs, cold_output_digests(workload, 3))
+def report(cluster_report):
+    workload, _, summary = cluster_report
+    return workload, summary
 
 
 def test_every_answer_of_every_run_equals_a_cold_recompute(report):

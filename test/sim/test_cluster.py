@@ -222,6 +222,21 @@ def test_policies_without_a_real_l3_path_get_none():
 
 # --- fixed placement and the failure after the K-th completion (benchmark/cluster_sim_vs_live.py) ---
 
+def test_fixed_router_replays_each_requests_recorded_worker_while_it_lives():
+    """Request placement 7 -> 1, 8 -> 0 for key a (recorded workers (0, 1)): request 7 goes to 1 although
+    the key's first worker is 0 (a live retry or failover did that), request 8 to 0, an unrecorded
+    request to the key's first live worker, 0; once 1 is dead, request 7 follows the key's fallback,
+    0. (Bug caught: routing by key alone, which puts request 7 on 0.)"""
+    from histate.sim.router import make_router
+
+    router = make_router("fixed", 2, seed=0, placement={"a": (0, 1)}, request_placement={7: 1, 8: 0})
+    assert router.route("a", (), [0, 0], uid=7) == 1
+    assert router.route("a", (), [0, 0], uid=8) == 0
+    assert router.route("a", (), [0, 0], uid=9) == 0
+    router.remove(1)
+    assert router.route("a", (), [0, 0], uid=7) == 0
+
+
 def test_fixed_router_follows_the_recorded_workers_then_falls_back_to_manual():
     """Placement a -> 1, b -> (0, 2) on 3 servers. a goes to 1, b to 0; server 0 dies: b goes to its
     next recorded worker, 2 (not wherever the hash puts it); server 1 dies: a, with no recorded

@@ -71,6 +71,7 @@ class ClusterConfig:
     fail_server: Optional[tuple] = None   # (server index, simulated time s)
     fail_after_requests: Optional[tuple] = None   # (server index, completed requests cluster-wide)
     placement: Optional[Mapping] = None   # router "fixed": routing key -> server(s) (router.py)
+    request_placement: Optional[Mapping] = None  # router "fixed": request uid -> server (router.py)
     max_live_sessions_total: Optional[int] = None
     """Live root sessions of the whole fleet; None: `max_live_sessions` per server. `histate cluster`
     admits through one bench client, so its limit is the fleet's (bench/sessions.py `_admit_all`)."""
@@ -252,7 +253,8 @@ class _ClusterReplay:
         self.store = L3Store(cluster.l3_store) if l3_rule else None
         self.pending_puts: list = []  # heap of (visible_s, seq, server index, objects)
         self.servers = [_Server(i, workload, policy, config, self, l3_rule) for i in range(cluster.num_servers)]
-        self.router = make_router(cluster.router, cluster.num_servers, config.seed, cluster.placement)
+        self.router = make_router(cluster.router, cluster.num_servers, config.seed, cluster.placement,
+                                  cluster.request_placement)
         self.max_live = cluster.max_live_sessions_total or config.max_live_sessions * cluster.num_servers
         self.arrivals: list = []   # heap of (time_s, seq, _SessionRun, Request)
         self.seq = 0
@@ -330,7 +332,7 @@ class _ClusterReplay:
 
     def _submit(self, run: _SessionRun, req, record: RequestRecord, t: float) -> None:
         loads = [len(s.in_flight) if s.is_alive else 0 for s in self.servers]
-        index = self.router.route(run.root_id, req.page_keys, loads)
+        index = self.router.route(run.root_id, req.page_keys, loads, uid=req.uid)
         server = self.servers[index]
         self.server_of_uid[req.uid] = index
         self.last_server_of_root[run.root_id] = index

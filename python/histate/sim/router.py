@@ -18,7 +18,11 @@ random (manual.rs `ManualAssignmentMode::Random`), so no seed reproduces it. A k
 workers become its candidates the way manual.rs appends a newly selected worker to a key's
 candidates: the first live one serves it; once the recorded ones are all dead the key is re-placed as
 `manual` re-places it (rendezvous over the live workers; with 2 workers, the other one). Keys the
-placement does not name fall back to `manual` outright.
+placement does not name fall back to `manual` outright. `request_placement` (request uid -> the
+worker that served it live) goes one step further and replays every routing decision, retries and
+failover included: which requests a kill catches in flight is HTTP, router and Python timing the
+simulator does not model, so only the live run's own decisions put the same requests on the same
+workers (a recorded worker that is dead in the simulation falls back as above).
 
 `cache_aware` (sgl-model-gateway `src/policies/cache_aware.rs`): an approximate radix tree per worker
 built from the requests the router sent there (never from the workers' real caches). If the load is
@@ -61,7 +65,7 @@ class ManualRouter:
         self.seed = seed
         self.candidates: dict = {}   # routing key -> [server], oldest first, at most 2
 
-    def route(self, routing_key: Hashable, page_keys: Sequence, loads: Sequence[int]) -> int:
+    def route(self, routing_key: Hashable, page_keys: Sequence, loads: Sequence[int], uid=None) -> int:
         chosen = self.candidates.setdefault(routing_key, [])
         for server in chosen:
             if server in self.live:
@@ -84,8 +88,10 @@ class FixedRouter(ManualRouter):
 
     name = "fixed"
 
-    def __init__(self, num_servers: int, placement: Mapping, seed: int = 0) -> None:
+    def __init__(self, num_servers: int, placement: Mapping, seed: int = 0,
+                 request_placement: Optional[Mapping] = None) -> None:
         super().__init__(num_servers, seed)
+        self.request_placement = dict(request_placement or {})
         self.placement = {}
         for key, servers in placement.items():
             servers = (servers,) if isinstance(servers, int) else tuple(servers)
@@ -94,8 +100,10 @@ class FixedRouter(ManualRouter):
                 raise ValueError(f"placement of {key!r}: servers {servers} not in 0..{num_servers - 1}")
             self.placement[key] = servers
 
-    def route(self, routing_key: Hashable, page_keys: Sequence, loads: Sequence[int]) -> int:
+    def route(self, routing_key: Hashable, page_keys: Sequence, loads: Sequence[int], uid=None) -> int:
         chosen = self.candidates.setdefault(routing_key, [])
+        if self.request_placement.get(uid) in self.live:
+            return self.request_placement[uid]
         for server in self.placement.get(routing_key, ()):
             if server not in chosen:
                 chosen.append(server)   # the recorded workers, in the order the live run used them
@@ -123,7 +131,7 @@ class CacheAwareRouter:
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
 
-    def route(self, routing_key: Hashable, page_keys: Sequence, loads: Sequence[int]) -> int:
+    def route(self, routing_key: Hashable, page_keys: Sequence, loads: Sequence[int], uid=None) -> int:
         live_loads = [loads[s] for s in self.live]
         lo, hi = min(live_loads), max(live_loads)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
@@ -151,13 +159,14 @@ class CacheAwareRouter:
         self.trees.pop(server, None)
 
 
-def make_router(name: str, num_servers: int, seed: int = 0, placement: Optional[Mapping] = None):
+def make_router(name: str, num_servers: int, seed: int = 0, placement: Optional[Mapping] = None,
+                request_placement: Optional[Mapping] = None):
     """The router `name`; `placement` (routing key -> server index, or the indices in the order a live
     run used them) is the `fixed` router's, and only its."""
     if (name == "fixed") != (placement is not None):
         raise ValueError("the fixed router needs a placement, and only it takes one")
     if name == "fixed":
-        return FixedRouter(num_servers, placement, seed)
+        return FixedRouter(num_servers, placement, seed, request_placement)
     if name == "manual":
         return ManualRouter(num_servers, seed)
     if name == "cache_aware":
