@@ -23,7 +23,7 @@ from histate.cluster.sim_twin import (MiB, TwinOptions, compare, format_table, m
 
 def run_live(args, out_dir: Path) -> None:
     cmd = [sys.executable, "-m", "histate.cli", "cluster", "--workers", str(args.workers), "--sessions", str(args.sessions),
-           "--turns", str(args.turns), "--max-live-sessions", str(args.max_live_sessions), *(["--kill-worker", str(args.kill_worker)]
+           "--turns", str(args.turns), "--max-live-sessions", str(args.max_live_sessions or args.sessions), *(["--kill-worker", str(args.kill_worker)]
            if args.kill_worker is not None else []), "--kill-after", str(args.kill_after), "--l3-mib", str(args.l3_mib), "--seed",
            str(args.seed), "--out", str(out_dir), "--no-progress"]
     subprocess.run(cmd, check=True)
@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-live-sessions", type=int, default=4)
+    ap.add_argument("--max-live-sessions", type=int, default=None, help="default: all sessions (histate cluster's)")
     ap.add_argument("--kill-worker", type=int, default=None, help="default: histate cluster's (the busiest at the kill)")
     ap.add_argument("--kill-after", type=float, default=0.5)
     ap.add_argument("--l3-mib", type=float, default=512.0)
@@ -49,7 +49,7 @@ def main() -> int:
     if args.reuse is None:
         run_live(args, live_dir)
     workload = cluster_workload(args)   # the CLI's own builder, same flags and seed
-    options = TwinOptions(max_live_sessions=args.max_live_sessions, seed=args.seed,
+    options = TwinOptions(max_live_sessions=args.max_live_sessions or args.sessions, seed=args.seed,
                           l3_segment_bytes=int(args.l3_mib * MiB), step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3)
     table = compare(workload, read_live(live_dir), options)
     text = format_table(table)
