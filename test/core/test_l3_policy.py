@@ -6,16 +6,17 @@ from histate.core.l3_policy import L3Put, L3WriteConfig, plan_l3_writes, restora
 NOTHING = lambda page: False  # noqa: E731
 
 
-def test_a_first_request_writes_every_page_and_every_held_state_pinning_the_deepest():
+def test_a_first_request_writes_every_page_of_its_bundle_and_only_the_deepest_state():
+    # states held at depths 2 and 4: the interior one (keyed by page 1) stays private
     puts = plan_l3_writes(4, [2, 4], NOTHING, shared_pages=0, config=L3WriteConfig())
-    assert puts == [L3Put(0, False, False, 1, 0), L3Put(1, True, False, 1, 1),
+    assert puts == [L3Put(0, False, False, 1, 0), L3Put(1, False, False, 1, 1),
                     L3Put(2, False, False, 1, 2), L3Put(3, True, True, 1, 3)]
 
 
-def test_the_path_ends_at_the_deepest_state_not_at_the_request_end():
+def test_the_bundle_ends_at_the_deepest_state_not_at_the_request_end():
     # 5 pages, states at depths 1 and 3: pages 3 and 4 have no state at or after them -> useless in L3.
     puts = plan_l3_writes(5, [3, 1], NOTHING, shared_pages=0, config=L3WriteConfig())
-    assert [(p.page_index, p.with_state, p.soft_pin) for p in puts] == [(0, True, False), (1, False, False),
+    assert [(p.page_index, p.with_state, p.soft_pin) for p in puts] == [(0, False, False), (1, False, False),
                                                                        (2, True, True)]
 
 

@@ -12,15 +12,18 @@ Read rule (SGLang's `PoolHitPolicy.TRAILING_PAGES` for the Mamba pool, hicache_s
 of p pages is restorable iff KV pages [0, p) are all present and the recurrent state keyed by page
 p-1 (the state at the prefix's end) is present. KV without a state at its end is no resume point.
 
-Write rule: after a request, its path goes through to L3 -- KV pages [0, d), where d is the
-deepest checkpoint the server holds on the request's path, and every state the server holds on
-that path -- minus what this server already wrote. Eq. 7 has already decided which of those states
-exist: L3 never receives a state HiState's own tiers did not keep, and KV past the deepest state is
-not written (the read rule makes it useless). Why all held states and not only the deepest: the
-SGLang plugin writes through what HiState backs up node by node, and a backup cannot tell an
-interior state from the terminal one (sglang_plugin/l3_tier.py); the reference worker and the
-simulator follow the plugin so that one rule is measured everywhere. Interior states in L3 are
-what a moved session resumes from after it rewinds or edits its last turn.
+Write rule: after a request, its *terminal bundle* -- the KV pages [0, d) and the state at d, where
+d is the deepest checkpoint the server holds on the request's path -- goes to L3, minus what this
+server already wrote. Eq. 7 has already decided that state exists (L3 never receives a state
+HiState's own tiers did not keep), and KV past it is not written (the read rule makes it useless).
+Why only the deepest state: a session that moves to another server resumes from its latest turn's
+end (the terminal-hit mass q of eq. 5 is most of an agent trace's reuse), and the KV of that bundle
+is also every earlier turn's prefix. Interior checkpoints stay private: their eq. 7 value
+(tau*C/M) is counted against this server's tiers, and in the simulator writing them through costs
+L3 capacity nobody reads (4 servers, 200 GB L3, a failure: the moved sessions' first TTFT 0.13 s
+with the terminal bundle, 0.25 s writing every held state; docs/scaleout.md, simulated). The SGLang
+plugin applies the same rule to what HiState backs up (sglang_plugin/l3_tier.py), the reference
+worker and the simulator's cluster mode call this function.
 
 Placement hints (Mooncake `ReplicateConfig`; the master may ignore or outlive them, so they are
 hints, never correctness):
@@ -75,24 +78,25 @@ def plan_l3_writes(num_pages: int, state_depths: Sequence[int], already_written:
     """The puts for one finished request of `num_pages` full pages, in page order.
 
     `state_depths`: depths in pages (1..num_pages) at which this server holds a checkpoint of the
-    request's path after the request; a state at depth d is keyed by page d-1. `already_written(i)`:
-    page i's KV is known to be in L3 from this server's own earlier puts, `state_already_written(i)`
-    the same for the state keyed by page i. Both are hints: re-putting is harmless, while skipping a
-    page the master has evicted leaves the bundle unrestorable, so a caller forgets the pages it
-    reads back as missing. `shared_pages`: leading pages reached by another session too.
+    request's path after the request; the deepest one ends the terminal bundle (a state at depth d is
+    keyed by page d-1). `already_written(i)`: page i's KV is known to be in L3 from this server's own
+    earlier puts, `state_already_written(i)` the same for the state keyed by page i. Both are hints:
+    re-putting is harmless, while skipping a page the master has evicted leaves the bundle
+    unrestorable, so a caller forgets the pages it reads back as missing. `shared_pages`: leading
+    pages reached by another session too.
     """
     if not config.enabled or num_pages <= 0:
         return []
-    state_pages = {d - 1 for d in state_depths if 0 < d <= num_pages}
-    if not state_pages:
+    depths = [d for d in state_depths if 0 < d <= num_pages]
+    if not depths:
         return []
-    deepest = max(state_pages)
+    terminal = max(depths)
     puts = []
-    for page in range(deepest + 1):
-        with_state = page in state_pages
-        if already_written(page) and (not with_state or state_already_written(page)):
+    for page in range(terminal):
+        is_end = page == terminal - 1
+        if already_written(page) and (not is_end or state_already_written(page)):
             continue
-        puts.append(L3Put(page_index=page, with_state=with_state, soft_pin=page == deepest,
+        puts.append(L3Put(page_index=page, with_state=is_end, soft_pin=is_end,
                           replicas=config.shared_replicas if page < shared_pages else 1,
                           group_id_page=page))
     return puts

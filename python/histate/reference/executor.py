@@ -15,8 +15,8 @@ With an L3 tier (l3_tier.py; `histate serve --l3-master`), the shared store sits
 after the restore, L3 may extend the resume point from c to p (KV pages [c, p) and the state at p,
 read from L3); the prefill starts at p, and the core is told of the state at p as if this pass had
 captured it (plan depths in (c, p] cannot be captured from p and are dropped). The L3 KV pages enter
-the core's tiers exactly as computed pages would. After finish_request, the request's held path
-(core/l3_policy.py: KV up to the deepest state the core holds on it, and every held state) goes to L3.
+the core's tiers exactly as computed pages would. After finish_request, the request's terminal
+bundle (core/l3_policy.py: the deepest state the core holds on its path, and the KV before it) goes to L3.
 
 "Apply ops" replays the core's TierOps (put / move / copy / drop of KV segments and checkpoints)
 on the executor's own stores (tier_stores.py); `check_mirror()` then proves the bytes held in each
@@ -228,8 +228,8 @@ class ReferenceExecutor:
     # --- the L3 tier's write path ------------------------------------------------------------
 
     def _write_l3(self, keys: list, cache) -> None:
-        """Put this request's held path (every checkpoint the core now holds on it, and the KV up to the
-        deepest) to L3. KV comes from the request's own cache, which holds exactly
+        """Put this request's terminal bundle (the deepest checkpoint the core now holds on its path, and
+        the KV before it) to L3. KV comes from the request's own cache, which holds exactly
         the bytes the tiers got; the state from the tier the core placed it in."""
         path, _, _ = self.cache.tree.walk(keys)
         holders = {node.depth_pages: node for node in path if node.ckpt_mask}

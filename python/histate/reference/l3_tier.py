@@ -7,7 +7,7 @@ this module only
   * reads: beyond the local resume point c, the longest L3 prefix p that is whole (KV pages [c, p)
     and the state at p, core/l3_policy.py `restorable_pages`), re-checked on what `get` really
     returned, because a listed object can still be gone, torn or foreign;
-  * writes: after a request, the path the server now holds (`plan_l3_writes`), as framed
+  * writes: after a request, the terminal bundle the server now holds (`plan_l3_writes`), as framed
     objects (l3/client.py) with the placement hints the policy picks.
 
 Objects are named by the reference's prefix-chained page keys (page_keys.py), so any worker with the
@@ -112,7 +112,7 @@ class L3TierStats:
     listed_pages: int = 0          # pages a lookup found restorable by listing, before reading
     shortened_hits: int = 0        # lookups whose reads came back shorter than the listing
     paths_written: int = 0
-    states_skipped: int = 0        # a held state could not be read locally (lost SSD object): its KV only
+    states_skipped: int = 0        # the terminal state could not be read locally (lost SSD object): its KV only
     objects_put: int = 0
     object_put_failures: int = 0
 
@@ -195,7 +195,7 @@ class L3Tier:
     def write_bundle(self, keys: Sequence[PageKey], state_depths: Sequence[int], shared_pages: int,
                      kv_pages_of: Callable[[int], list], packed_state_at: Callable[[int], Optional[torch.Tensor]],
                      codec: L3Codec) -> list[L3Put]:
-        """Put this request's held path as core/l3_policy.py plans it (the pages and states not already
+        """Put this request's terminal bundle as core/l3_policy.py plans it (the pages and state not already
         in L3 from this worker) and return the puts planned. Synchronous: the reference worker serves
         one request at a time, and a put finishing before the next request is simplest to reason about.
 

@@ -8,10 +8,9 @@ Load per server is constant: `max_live_sessions` root sessions per server are li
 admits N x that many (the first wave is released N per `stagger_s`).
 
 L3 (l3.py, link: l3_link.py). Only policies a real server can run against Mooncake get it:
-  * `histate`: HiState's L3 layer; after a request it writes through the request's path as
-    `histate.core.l3_policy.plan_l3_writes` plans it (KV up to the deepest held state, every held
-    state; the same function the reference worker runs, and what the plugin's write-through of
-    HiState's backups amounts to);
+  * `histate`: HiState's L3 layer; after a request it writes the terminal bundle that
+    `histate.core.l3_policy.plan_l3_writes` plans (the same function the reference worker runs, and
+    the rule the plugin applies to what HiState backs up);
   * `sglang-hicache`: stock HiCache with the Mooncake backend writes every node through to storage
     once its host backup is acknowledged (sglang/srt/mem_cache/unified_radix_cache.py:1803-1818
     `_finish_write_through_ack` -> `write_backup_storage`, :1990-2020, KV and the node's state
@@ -57,7 +56,7 @@ from .replay import ReplayConfig, _SessionRun, admission_order
 from .request import Workload
 from .router import make_router
 
-L3_WRITE_RULES = {"histate": "held-path", "sglang-hicache": "write-through"}
+L3_WRITE_RULES = {"histate": "terminal-bundle", "sglang-hicache": "write-through"}
 """Policies that get the shared L3 in cluster mode, and how each writes it (module docstring)."""
 
 
@@ -208,7 +207,7 @@ class _Server:
         store = self.cluster.l3_at(now_s)
         num_pages = len(keys)
         objects = []   # (key, size_bytes, group, soft_pin, replicas)
-        if self.l3_rule == "held-path":
+        if self.l3_rule == "terminal-bundle":
             puts = plan_l3_writes(num_pages, state_pages, lambda i: keys[i] in self.l3_written_kv, 0,
                                   self.cluster.cluster.l3_write, lambda i: keys[i] in self.l3_written_state)
             for put in puts:
