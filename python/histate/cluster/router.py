@@ -46,7 +46,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .workers import HOST, end_process_group, free_port, log_tail
+from histate.loopback import HOST, end_process_group, free_port, log_tail
 
 CLOSED_LOOPBACK_URL = "http://127.0.0.1:9"   # discard port: nothing listens, nothing leaves the host
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,43 +22,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from histate.loopback import HOST, end_process_group, free_port, log_tail
 from typing import Optional, Sequence
-
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A port nothing listens on at 127.0.0.1 right now (the OS's choice; another process could take it
-    before we bind it, which startup then reports)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-def end_process_group(process: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM the process's group, wait up to timeout_s, then SIGKILL it; a no-op once it is gone."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=timeout_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:  # the leader is gone; anything it left in its group goes too
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def log_tail(path: Path, num_chars: int = 2000) -> str:
-    try:
-        return path.read_text(errors="replace")[-num_chars:]
-    except OSError:
-        return ""
-
 
 @dataclass
 class Worker:
@@ -124,11 +89,7 @@ class WorkerPool:
     def kill(self, index: int) -> Worker:
         """SIGKILL worker `index` (its whole process group), as a crashed machine; returns it."""
         worker = self.workers[index]
-        try:
-            os.killpg(worker.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        worker.process.wait(timeout=self.stop_timeout_s)
+        end_process_group(worker.process, self.stop_timeout_s, first_signal=signal.SIGKILL)
         return worker
 
     def stop(self) -> None:

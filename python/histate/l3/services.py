@@ -27,17 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-LOOPBACK = "127.0.0.1"
+from histate.loopback import HOST, end_process_group, free_port, log_tail
+
+LOOPBACK = HOST
 DEFAULT_SEGMENT_SIZE_BYTES = 256 * 2**20
 START_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the usual bind-to-0 probe; a race with another process is
-    possible and shows up as a start-up timeout naming the port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+STOP_TIMEOUT_S = 5.0
 
 
 def mooncake_binaries() -> Optional[Path]:
@@ -81,34 +76,13 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, log: Path, tim
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode}; log: {log}\n{_tail(log)}")
+            raise RuntimeError(f"{what} exited with code {proc.returncode}; log: {log}\n{log_tail(log)}")
         try:
             with socket.create_connection((LOOPBACK, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s:.0f} s; log: {log}\n{_tail(log)}")
-
-
-def _tail(log: Path, num_lines: int = 15) -> str:
-    try:
-        return "\n".join(log.read_text(errors="replace").splitlines()[-num_lines:])
-    except OSError:
-        return ""
-
-
-def _stop(proc: Optional[subprocess.Popen], sig: int = signal.SIGTERM, timeout_s: float = 5.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    raise RuntimeError(f"{what} did not listen on {LOOPBACK}:{port} within {timeout_s:.0f} s; log: {log}\n{log_tail(log)}")
 
 
 @dataclass(frozen=True)
@@ -205,14 +179,16 @@ class LoopbackMooncake:
 
     def kill_store(self) -> None:
         """SIGKILL the store service, as a crash would: its segment and every object in it are gone."""
-        _stop(self._store, signal.SIGKILL)
+        if self._store is not None:
+            end_process_group(self._store, STOP_TIMEOUT_S, first_signal=signal.SIGKILL)
 
     def store_alive(self) -> bool:
         return self._store is not None and self._store.poll() is None
 
     def stop(self) -> None:
-        _stop(self._store)
-        _stop(self._master)
+        for proc in (self._store, self._master):
+            if proc is not None:
+                end_process_group(proc, STOP_TIMEOUT_S)
         self._store = self._master = None
 
     def __enter__(self) -> "LoopbackMooncake":

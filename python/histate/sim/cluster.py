@@ -52,7 +52,7 @@ from .engine import Engine, EngineRequest, EventKind
 from .l3 import KV, STATE, L3Store, L3StoreConfig
 from .l3_link import FLEET_L3_LINK, L3LinkSpec
 from .metrics import RequestRecord
-from .replay import ReplayConfig, _SessionRun, admission_order
+from .replay import ReplayConfig, SessionDriver, _SessionRun, admission_order
 from .request import Workload
 from .router import make_router
 
@@ -240,7 +240,7 @@ class _Retry:
     request: object
 
 
-class _ClusterReplay:
+class _ClusterReplay(SessionDriver):
     """One policy's cluster replay; `run()` returns a ClusterRun. Not reusable."""
 
     def __init__(self, workload: Workload, policy: str, config: ReplayConfig, cluster: ClusterConfig,
@@ -364,51 +364,15 @@ class _ClusterReplay:
             self.retried.append(uid)
             self._submit(run, run.session.requests[run.next_index], record, t)
 
-    # --- sessions (as replay._Replay) ----------------------------------------------------------------
-    def _admit(self, t: float) -> None:
-        while self.num_live < self.max_live and self.queue:
-            self._admit_next(t)
+    # --- sessions (SessionDriver's hooks) ------------------------------------------------------------
+    @property
+    def max_live_sessions(self) -> int:
+        return self.max_live
 
-    def _admit_next(self, t: float) -> None:
-        root = self.queue.pop()
-        self.num_live += 1
-        self.pending_roots[root.session_id] = sum(1 for _ in root.iter_sessions())
-        self._release(root, root.session_id, t)
-
-    def _release(self, session, root_id: str, t: float) -> None:
-        run = _SessionRun(session, root_id)
-        self.runs[session.session_id] = run
-        for child in session.subagents:
-            self.children.setdefault((session.session_id, child.spawn_after_index), []).append(child)
-        for child in self.children.pop((session.session_id, -1), []):
-            self._release(child, root_id, t)
-        self._schedule_next(run, t)
-
-    def _schedule_next(self, run: _SessionRun, t: float) -> None:
-        requests = run.session.requests
-        if run.next_index >= len(requests):
-            self._session_done(run, t)
-            return
-        req = requests[run.next_index]
-        if any(not (c in self.runs and self.runs[c].is_done) for c in req.after_sessions):
-            run.is_waiting = True
-            return
-        run.is_waiting = False
-        self.seq += 1
-        heapq.heappush(self.arrivals, (t + req.gap_before_s, self.seq, run, req))
-
-    def _session_done(self, run: _SessionRun, t: float) -> None:
-        run.is_done = True
+    def _close_session(self, session_id: str, t: float) -> None:
         for server in self.servers:   # the session's references, wherever its requests ran
             if server.is_alive:
-                server.gate.close_session(run.session.session_id, t)
-        parent_id = run.session.parent_session_id
-        if parent_id is not None and parent_id in self.runs and self.runs[parent_id].is_waiting:
-            self._schedule_next(self.runs[parent_id], t)
-        self.pending_roots[run.root_id] -= 1
-        if self.pending_roots[run.root_id] == 0:
-            self.num_live -= 1
-            self._admit(t)
+                server.gate.close_session(session_id, t)
 
     def _on_finished(self, server: _Server, uid, timing, t: float) -> None:
         record, run = server.in_flight.pop(uid)

@@ -133,7 +133,57 @@ class _SessionRun:
     is_done: bool = False
 
 
-class _Replay:
+class SessionDriver:
+    """Closed-loop agent sessions (admission, subagents, gaps) shared by the single-server replay and the
+    cluster replay (cluster.py). The host class provides `queue` (roots, popped from the end),
+    `num_live`, `pending_roots`, `runs`, `children`, `seq`, `arrivals`, `max_live_sessions` and
+    `_close_session(session_id, t)` (where a finished session's references are released)."""
+
+    def _admit(self, t: float) -> None:
+        while self.num_live < self.max_live_sessions and self.queue:
+            self._admit_next(t)
+
+    def _admit_next(self, t: float) -> None:
+        root = self.queue.pop()
+        self.num_live += 1
+        self.pending_roots[root.session_id] = sum(1 for _ in root.iter_sessions())
+        self._release(root, root.session_id, t)
+
+    def _release(self, session, root_id: str, t: float) -> None:
+        run = _SessionRun(session, root_id)
+        self.runs[session.session_id] = run
+        for child in session.subagents:
+            self.children.setdefault((session.session_id, child.spawn_after_index), []).append(child)
+        for child in self.children.pop((session.session_id, -1), []):
+            self._release(child, root_id, t)
+        self._schedule_next(run, t)
+
+    def _schedule_next(self, run: _SessionRun, t: float) -> None:
+        requests = run.session.requests
+        if run.next_index >= len(requests):
+            self._session_done(run, t)
+            return
+        req = requests[run.next_index]
+        if any(not (c in self.runs and self.runs[c].is_done) for c in req.after_sessions):
+            run.is_waiting = True
+            return
+        run.is_waiting = False
+        self.seq += 1
+        heapq.heappush(self.arrivals, (t + req.gap_before_s, self.seq, run, req))
+
+    def _session_done(self, run: _SessionRun, t: float) -> None:
+        run.is_done = True
+        self._close_session(run.session.session_id, t)
+        parent_id = run.session.parent_session_id
+        if parent_id is not None and parent_id in self.runs and self.runs[parent_id].is_waiting:
+            self._schedule_next(self.runs[parent_id], t)
+        self.pending_roots[run.root_id] -= 1
+        if self.pending_roots[run.root_id] == 0:
+            self.num_live -= 1
+            self._admit(t)
+
+
+class _Replay(SessionDriver):
     """One policy's replay; `run()` returns its PolicyRun. Not reusable."""
 
     def __init__(self, workload: Workload, policy: str, config: ReplayConfig, on_request_done: Callable,
@@ -184,50 +234,14 @@ class _Replay:
                          {"ssd": self.engine.ssd.stats, "h2d": self.engine.h2d.stats, "engine": self.engine.stats,
                           "admission": self.gate.stats, "scheduler": self.profile.name}, time.perf_counter() - t0)
 
-    # --- sessions ------------------------------------------------------------------------------
+    # --- sessions (SessionDriver's hooks) ------------------------------------------------------
 
-    def _admit(self, t: float) -> None:
-        while self.num_live < self.config.max_live_sessions and self.queue:
-            self._admit_next(t)
+    @property
+    def max_live_sessions(self) -> int:
+        return self.config.max_live_sessions
 
-    def _admit_next(self, t: float) -> None:
-        root = self.queue.pop()
-        self.num_live += 1
-        self.pending_roots[root.session_id] = sum(1 for _ in root.iter_sessions())
-        self._release(root, root.session_id, t)
-
-    def _release(self, session, root_id: str, t: float) -> None:
-        run = _SessionRun(session, root_id)
-        self.runs[session.session_id] = run
-        for child in session.subagents:
-            self.children.setdefault((session.session_id, child.spawn_after_index), []).append(child)
-        for child in self.children.pop((session.session_id, -1), []):
-            self._release(child, root_id, t)
-        self._schedule_next(run, t)
-
-    def _schedule_next(self, run: _SessionRun, t: float) -> None:
-        requests = run.session.requests
-        if run.next_index >= len(requests):
-            self._session_done(run, t)
-            return
-        req = requests[run.next_index]
-        if any(not (c in self.runs and self.runs[c].is_done) for c in req.after_sessions):
-            run.is_waiting = True
-            return
-        run.is_waiting = False
-        self.seq += 1
-        heapq.heappush(self.arrivals, (t + req.gap_before_s, self.seq, run, req))
-
-    def _session_done(self, run: _SessionRun, t: float) -> None:
-        run.is_done = True
-        self.gate.close_session(run.session.session_id, t)  # session-referencing policies only (sessions.py)
-        parent_id = run.session.parent_session_id
-        if parent_id is not None and parent_id in self.runs and self.runs[parent_id].is_waiting:
-            self._schedule_next(self.runs[parent_id], t)
-        self.pending_roots[run.root_id] -= 1
-        if self.pending_roots[run.root_id] == 0:
-            self.num_live -= 1
-            self._admit(t)
+    def _close_session(self, session_id: str, t: float) -> None:
+        self.gate.close_session(session_id, t)  # session-referencing policies only (sessions.py)
 
     # --- requests ------------------------------------------------------------------------------
 
