@@ -10,6 +10,13 @@ than 1 - DEMOTE_MARGIN full, the lowest-ranked host bundles (and the host-only a
 walk can delete right after them) are written ahead of their eviction; the backend's `admits_kv`
 filter skips every other KV page SGLang's write-through hands it.
 
+The shared L3 under the SSD (`--histate-l3 mooncake`) takes the terminal bundle alone
+(`histate.core.l3_policy`): before SGLang queues a node's backup, `mark_l3_state` checks whether the
+node's state is the deepest checkpoint on its path (`holds_deepest_checkpoint`: no node below it holds
+one, in any tier) and, if so, the backend's `l3_admits_state` admits that state's page hash until the
+backup is acknowledged (a frozenset the scheduler thread swaps; the backup thread never reads the
+tree). Intermediate checkpoints go to the SSD only. The inputs are agreed, so every rank writes alike.
+
 SSD bits (`CoreNode.ssd_kv` / `ssd_state`) are set when SGLang drains a storage-backup acknowledgement
 (`_drain_storage_control_queues_impl`, whose counts SGLang MIN-all-reduces: unified_radix_cache.py:
 3298-3330) or inserts host nodes its L3 prefetch read from SSD, and cleared when an agreed SSD eviction

@@ -31,12 +31,19 @@ the registered host pool zero-copy; the generic `batch_get` / `batch_set` stay S
   * presence (`batch_exists`, `batch_exists_v2`): a page counts when its KV is on SSD or in L3, a
     prefix is restorable when the state keyed by its last page is on SSD or in L3
     (`histate.core.l3_policy.restorable_pages`, SGLang's TRAILING_PAGES rule);
-  * writes: what reaches `batch_set_v1` / `batch_set_v2` goes to the SSD as before and then to L3,
-    minus what this server already put there (`plan_l3_writes`' already_written; forgotten when read
-    back missing). First version: every backed-up page and state is written through, like stock
-    SGLang's Mooncake backend, not only the terminal bundle (the backend sees SGLang's per-node
-    backups and cannot tell a terminal state from an interior one when it is written). L3 results
-    never change what the SSD write reports.
+  * writes: the terminal bundle (`histate.core.l3_policy`): the KV pages up to the deepest
+    checkpoint HiState holds on the request's path, and only that deepest state. What reaches
+    `batch_set_v1` / `batch_set_v2` goes to the SSD as before; then every KV page of the backup goes to
+    L3 (they are the path to the terminal state), and a state only if `l3_admits_state` (set by the
+    SSD tier once attached, `SsdTier.l3_admits_state`) admits it: the node whose state it is held the
+    deepest checkpoint on its path when its backup was queued (no node below it held one). Interior
+    checkpoints stay on this server (their eq. 7 value is local). A state that was terminal at its
+    backup and becomes interior later stays in L3 as written; the next request's terminal state is
+    written with its own backup. Without the hook (the backend alone, e.g. under stock SGLang's
+    HiCache) every state is written, as stock's Mooncake backend does: the backend itself cannot tell
+    a terminal state from an interior one. Both minus what this server already put there
+    (`plan_l3_writes`' already_written; forgotten when read back missing). L3 results never change
+    what the SSD write reports.
 """
 from __future__ import annotations
 
