@@ -157,6 +157,24 @@ def test_the_next_turn_writes_its_terminal_state_and_a_moved_session_resumes_the
     cache_c.sanity_check()
 
 
+def test_the_rule_is_decided_when_the_backup_is_queued(mooncake, monkeypatch, tmp_path):
+    """A chunked prefill whose backups run between its passes (SGLang's scheduler steps): the state
+    at the end of the first chunk (3 pages) is the deepest checkpoint when its backup is queued, so
+    it goes to L3; the terminal one (6 pages) too. Nothing is taken back once written."""
+    from sglang_cpu.hicache import TieredDriver
+    from sglang_cpu.pools import PAGE, build_pools
+
+    _use(mooncake, monkeypatch)
+    tokens = _tokens(6 * PAGE)
+    pools_a = build_pools(1024, 8)
+    cache_a = _tiered_cache(tmp_path, "a", pools_a)
+    TieredDriver(cache_a, pools_a).serve(tokens, [3 * PAGE, 6 * PAGE])  # a scheduler step after each pass
+    l3 = L3View(cache_a.histate.ssd_tier.backend)
+    hashes = _path_hashes(cache_a, tokens)
+    assert [l3.kv(h) for h in hashes] == [True] * 6
+    assert [l3.state(h) for h in hashes] == [False, False, True, False, False, True]
+
+
 def test_the_backend_alone_writes_every_state_and_the_hook_filters_states_only(mooncake, monkeypatch, tmp_path):
     """Without a tree cache attached (stock interop) every backed-up state goes to L3; with the hook
     set, states it does not admit stay on the SSD alone while KV pages are written as before."""
