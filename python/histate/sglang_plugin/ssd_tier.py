@@ -193,8 +193,9 @@ class SsdTier:
         state is the deepest checkpoint on its path (`holds_deepest_checkpoint`), L3 admits it until
         the backup is acknowledged. Returns the marked page hash (None: L3 does not get this state).
         Agreed inputs only (the tree, host values, SSD bits), so every rank writes the same states."""
-        if sg.component_data[MAMBA].host_value is None or not sg.hash_value:
-            return None
+        if getattr(self.backend, "l3", None) is None or sg.component_data[MAMBA].host_value is None \
+                or not sg.hash_value:
+            return None  # no L3 (nothing to decide), or no state in this backup
         if not holds_deepest_checkpoint(core_of(sg)):
             return None
         page_hash = sg.hash_value[-1]
