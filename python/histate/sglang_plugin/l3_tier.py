@@ -9,6 +9,13 @@ keys `{prefix}_{page_hash}_{tp_rank}_k` / `_v` (KV, page-first host layout) and
 zero-copy from and into the host pools it is registered on (`register_mem_pool_host` for KV,
 `register_mem_host_pool_v2` for MAMBA), group ids when `enable_group_semantics` is set.
 
+What goes in: the terminal bundle of each request (`histate.core.l3_policy`): the KV pages up to
+the deepest checkpoint HiState holds on the request's path and only that deepest state. The choice is
+the storage backend's (`storage_backend.py`): it hands this module every KV page of a backup and only
+the states the SSD tier's `l3_admits_state` admits (terminal when the backup was queued); interior
+checkpoints stay on the server's own tiers. Used without HiState's tree cache, the backend writes every
+state, as stock's Mooncake backend does.
+
 What this module adds to stock, and only that:
   * faults are misses: any exception, an error code, a dead store service (TRANSFER_FAIL) or a
     short read answers False for the page; SGLang never sees an exception from L3;

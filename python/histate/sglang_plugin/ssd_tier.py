@@ -10,6 +10,13 @@ than 1 - DEMOTE_MARGIN full, the lowest-ranked host bundles (and the host-only a
 walk can delete right after them) are written ahead of their eviction; the backend's `admits_kv`
 filter skips every other KV page SGLang's write-through hands it.
 
+The shared L3 under the SSD (`--histate-l3 mooncake`) takes the terminal bundle alone
+(`histate.core.l3_policy`): before SGLang queues a node's backup, `mark_l3_state` checks whether the
+node's state is the deepest checkpoint on its path (`holds_deepest_checkpoint`: no node below it holds
+one, in any tier) and, if so, the backend's `l3_admits_state` admits that state's page hash until the
+backup is acknowledged (a frozenset the scheduler thread swaps; the backup thread never reads the
+tree). Intermediate checkpoints go to the SSD only. The inputs are agreed, so every rank writes alike.
+
 SSD bits (`CoreNode.ssd_kv` / `ssd_state`) are set when SGLang drains a storage-backup acknowledgement
 (`_drain_storage_control_queues_impl`, whose counts SGLang MIN-all-reduces: unified_radix_cache.py:
 3298-3330) or inserts host nodes its L3 prefetch read from SSD, and cleared when an agreed SSD eviction
@@ -75,6 +82,7 @@ class _Backup:
     page_hashes: tuple
     with_state: bool
     with_kv: bool  # a demotion (`demote`): the KV pages go to SSD too; else only the state does
+    l3_state: Optional[str] = None  # page hash of the state L3 admits (the terminal bundle's), if any
 
 
 @dataclass
@@ -96,6 +104,22 @@ def _host_chain(leaf: CoreNode) -> list:
     return chain
 
 
+def holds_deepest_checkpoint(node: CoreNode) -> bool:
+    """Whether the checkpoint at `node`'s end is the deepest one HiState holds on its path: no node
+    below it holds a checkpoint in any tier (device, host or SSD). Its state then ends a terminal
+    bundle (the core's unit: a leaf's KV with its checkpoint, `histate.core.units_of`; a KV-only tail
+    below it has no state and does not count); otherwise it is an intermediate checkpoint, whose eq. 7
+    value is local. The walk stops at the first checkpoint it meets (checkpoint-less nodes sit only at
+    branch points and KV tails)."""
+    stack = list(node.sg.children.values())
+    while stack:
+        sg = stack.pop()
+        if core_of(sg).ckpt_mask:
+            return False
+        stack.extend(sg.children.values())
+    return True
+
+
 class SsdTier:
     def __init__(self, cache: Any, backend: Any):
         self.cache = cache
@@ -115,12 +139,17 @@ class SsdTier:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="histate-ssd-restore")
         self.agreed_used_bytes = 0
         self.homing: dict = {}  # id -> CoreNode whose faster state copies may go once it is historical
+        # Page hashes of the states whose queued backups L3 admits (`l3_admits_state`): the scheduler
+        # thread counts them in `_l3_marks` and publishes the keys as a frozenset the backup thread reads.
+        self._l3_marks: dict = {}
+        self.l3_terminal: frozenset = frozenset()
         store = backend.store
         for key in store.keys():  # written before this process (a restart): no node knows them
             self.orphans.add((key,), store.payload_bytes(key) or 0, UNKNOWN_SCORE)
         self.orphans.refresh_snapshot()
         backend.pick_victims = self.pick_ssd_victims
         backend.admits_kv = self.admits_kv
+        backend.l3_admits_state = self.l3_admits_state
         self.runtime.victims.enable_tier(Tier.SSD)
 
     # --- keys and sizes ----------------------------------------------------------------------------
@@ -151,16 +180,52 @@ class SsdTier:
         written; the others stay on the host alone (reads a frozenset the scheduler thread swaps)."""
         return page_hash in self.admitted
 
-    def on_backup_started(self, operation_id: Any, sg: Any) -> None:
-        """SGLang queued `sg`'s pages (and its host state, if any) for the SSD (`write_backup_storage`)."""
+    # --- the shared L3 takes the terminal bundle (histate.core.l3_policy) ---------------------------
+
+    def l3_admits_state(self, page_hash: str) -> bool:
+        """The backend's filter on the states it writes to L3 (SGLang's backup thread): only a state
+        marked terminal when its backup was queued (`mark_l3_state`). Reads a frozenset the scheduler
+        thread swaps, never the tree."""
+        return page_hash in self.l3_terminal
+
+    def mark_l3_state(self, sg: Any) -> Optional[str]:
+        """Before SGLang queues `sg`'s backup (its backup thread may run it at once): if `sg`'s host
+        state is the deepest checkpoint on its path (`holds_deepest_checkpoint`), L3 admits it until
+        the backup is acknowledged. Returns the marked page hash (None: L3 does not get this state).
+        Agreed inputs only (the tree, host values, SSD bits), so every rank writes the same states."""
+        if getattr(self.backend, "l3", None) is None or sg.component_data[MAMBA].host_value is None \
+                or not sg.hash_value:
+            return None  # no L3 (nothing to decide), or no state in this backup
+        if not holds_deepest_checkpoint(core_of(sg)):
+            return None
+        page_hash = sg.hash_value[-1]
+        self._l3_marks[page_hash] = self._l3_marks.get(page_hash, 0) + 1
+        self.l3_terminal = frozenset(self._l3_marks)
+        return page_hash
+
+    def unmark_l3_state(self, page_hash: Optional[str]) -> None:
+        """The backup that `mark_l3_state` marked for was acknowledged, or never queued."""
+        if page_hash is None or page_hash not in self._l3_marks:
+            return
+        self._l3_marks[page_hash] -= 1
+        if self._l3_marks[page_hash] <= 0:
+            del self._l3_marks[page_hash]
+        self.l3_terminal = frozenset(self._l3_marks)
+
+    def on_backup_started(self, operation_id: Any, sg: Any, l3_state: Optional[str] = None) -> None:
+        """SGLang queued `sg`'s pages (and its host state, if any) for the SSD (`write_backup_storage`);
+        `l3_state`: the page hash `mark_l3_state` marked for this backup, unmarked on its ack."""
         hashes = tuple(sg.hash_value or ())
         self.backups[operation_id] = _Backup(core_of(sg), hashes, sg.component_data[MAMBA].host_value is not None,
-                                             bool(hashes) and set(hashes) <= self.admitted)
+                                             bool(hashes) and set(hashes) <= self.admitted, l3_state)
 
     def on_backup_acked(self, operation_id: Any) -> None:
         """SGLang drained the acknowledgement (an agreed event): the node's objects count as on SSD."""
         backup = self.backups.pop(operation_id, None)
-        if backup is None or not backup.page_hashes:
+        if backup is None:
+            return
+        self.unmark_l3_state(backup.l3_state)
+        if not backup.page_hashes:
             return
         node = backup.node
         if backup.with_kv:
@@ -517,6 +582,9 @@ class SsdTier:
         self.reap()
         self.backend.pick_victims = None
         self.backend.admits_kv = None
+        self.backend.l3_admits_state = None
+        self._l3_marks.clear()
+        self.l3_terminal = frozenset()
         self.candidates.clear()
         self.orphans.clear()
         self.admitted = frozenset()

@@ -31,12 +31,19 @@ the registered host pool zero-copy; the generic `batch_get` / `batch_set` stay S
   * presence (`batch_exists`, `batch_exists_v2`): a page counts when its KV is on SSD or in L3, a
     prefix is restorable when the state keyed by its last page is on SSD or in L3
     (`histate.core.l3_policy.restorable_pages`, SGLang's TRAILING_PAGES rule);
-  * writes: what reaches `batch_set_v1` / `batch_set_v2` goes to the SSD as before and then to L3,
-    minus what this server already put there (`plan_l3_writes`' already_written; forgotten when read
-    back missing). First version: every backed-up page and state is written through, like stock
-    SGLang's Mooncake backend, not only the terminal bundle (the backend sees SGLang's per-node
-    backups and cannot tell a terminal state from an interior one when it is written). L3 results
-    never change what the SSD write reports.
+  * writes: the terminal bundle (`histate.core.l3_policy`): the KV pages up to the deepest
+    checkpoint HiState holds on the request's path, and only that deepest state. What reaches
+    `batch_set_v1` / `batch_set_v2` goes to the SSD as before; then every KV page of the backup goes to
+    L3 (they are the path to the terminal state), and a state only if `l3_admits_state` (set by the
+    SSD tier once attached, `SsdTier.l3_admits_state`) admits it: the node whose state it is held the
+    deepest checkpoint on its path when its backup was queued (no node below it held one). Interior
+    checkpoints stay on this server (their eq. 7 value is local). A state that was terminal at its
+    backup and becomes interior later stays in L3 as written; the next request's terminal state is
+    written with its own backup. Without the hook (the backend alone, e.g. under stock SGLang's
+    HiCache) every state is written, as stock's Mooncake backend does: the backend itself cannot tell
+    a terminal state from an interior one. Both minus what this server already put there
+    (`plan_l3_writes`' already_written; forgotten when read back missing). L3 results never change
+    what the SSD write reports.
 """
 from __future__ import annotations
 
@@ -152,6 +159,13 @@ class HiStateStorageBackend(HiCacheStorage):
         # The SSD tier's `admits_kv` (ssd_tier.py): which KV pages SGLang's write-through may store (the
         # SSD is the host's victim tier for KV); None (not attached) stores every page.
         self.admits_kv: Optional[Callable[[str], bool]] = None
+        # The SSD tier's `l3_admits_state` (ssd_tier.py): which backed-up states also go to L3 (the
+        # terminal bundle's: the deepest checkpoint on the node's path when its backup was queued).
+        # None (not attached: the backend alone, e.g. under stock SGLang's HiCache) writes every state
+        # to L3, as stock's Mooncake backend does: without HiState's tree the backend cannot tell a
+        # terminal state from an interior one, and dropping states it cannot judge would leave L3
+        # without any resume point.
+        self.l3_admits_state: Optional[Callable[[str], bool]] = None
         self.store = store if store is not None else open_store(
             section, on_evict=self._on_evict, namespace=rank_namespace(storage_config),
             num_ranks=storage_config.tp_size * storage_config.pp_size, on_capacity_needed=self._on_capacity_needed)
@@ -436,11 +450,15 @@ class HiStateStorageBackend(HiCacheStorage):
         return flags
 
     def _put_pool_l3(self, transfer: PoolTransfer, page_size: int, keys) -> None:
-        """The states of this backup that go to L3 (`plan_l3_writes` per state: one page whose KV was
-        written by batch_set_v1, skipping states this server already put)."""
+        """The states of this backup that go to L3: those `l3_admits_state` admits (the terminal
+        bundle's state; every state while no tree cache is attached), and of those what
+        `plan_l3_writes` asks for (one page whose KV was written by batch_set_v1, skipping states this
+        server already put)."""
+        admits = self.l3_admits_state
         todo = [i for i, key in enumerate(keys)
-                if plan_l3_writes(1, [1], lambda _: True, 0, L3WriteConfig(),
-                                  state_already_written=lambda _, k=key: self.l3.state_written(k))]
+                if (admits is None or admits(key))
+                and plan_l3_writes(1, [1], lambda _: True, 0, L3WriteConfig(),
+                                   state_already_written=lambda _, k=key: self.l3.state_written(k))]
         if todo:
             self.l3.put_pool(PoolTransfer(
                 name=transfer.name, keys=[keys[i] for i in todo],

@@ -163,10 +163,20 @@ class HiStateRadixCache(UnifiedRadixCache):
         if tier is not None and not tier.wants_backup(self.tree_core.node_by_id(node_id)):
             return
         started = set(self.ongoing_backup)
-        super().write_backup_storage(node_id)
+        # Before SGLang queues it: its backup thread may write the state (and to L3) at once.
+        l3_state = tier.mark_l3_state(self.tree_core.node_by_id(node_id)) if tier is not None else None
+        try:
+            super().write_backup_storage(node_id)
+        except BaseException:
+            if tier is not None:
+                tier.unmark_l3_state(l3_state)
+            raise
         if tier is not None:
-            for operation_id in set(self.ongoing_backup) - started:
-                tier.on_backup_started(operation_id, self.tree_core.node_by_id(node_id))
+            queued = set(self.ongoing_backup) - started
+            for operation_id in queued:
+                tier.on_backup_started(operation_id, self.tree_core.node_by_id(node_id), l3_state)
+            if not queued:  # nothing queued (storage off, nothing backed up to the host)
+                tier.unmark_l3_state(l3_state)
 
     def _drain_storage_control_queues_impl(self, *args: Any, **kwargs: Any) -> None:
         pending = set(self.ongoing_backup)
