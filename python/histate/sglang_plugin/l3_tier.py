@@ -44,6 +44,7 @@ turning on `enable_group_semantics` in the extra config, which stock servers rea
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -51,6 +52,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 import torch
+
+PUT_RETRY_BACKOFF_S = 0.01
+"""Wait before retrying puts a full store refused (histate/l3/client.py, NO_SPACE)."""
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +266,23 @@ class L3Tier:
 
     # --- writes: stock's puts (skipping what exists), skipping what this server wrote ------------
 
+    def _retry_failed(self, done: List[bool], write_subset) -> List[bool]:
+        """Retry, once and after PUT_RETRY_BACKOFF_S, the objects a batch put refused. A full store
+        refuses a put and evicts because of it (Mooncake's PutStart failure triggers the master's
+        eviction), so the retry usually lands; histate/l3/client.py measured this on loopback. This
+        runs on SGLang's storage backup thread, never on a request's path."""
+        failed = [i for i, ok in enumerate(done) if not ok]
+        if not failed or len(failed) == len(done) and not self.available:
+            return done
+        time.sleep(PUT_RETRY_BACKOFF_S)
+        try:
+            again = list(write_subset(failed))
+        except Exception:
+            return done
+        for i, ok in zip(failed, again):
+            done[i] = bool(ok)
+        return done
+
     def put_kv(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         """Write KV pages from `host_indices` with MooncakeStore.batch_set_v1 (stock bytes and keys)."""
         if not keys:
@@ -271,6 +292,9 @@ class L3Tier:
         except Exception:
             self._fault("KV write")
             done = [False] * len(keys)
+        page = len(host_indices) // len(keys)
+        done = self._retry_failed(done, lambda idx: self.store.batch_set_v1(
+            [keys[i] for i in idx], torch.cat([host_indices[i * page:(i + 1) * page] for i in idx])))
         self._after_put(keys, done, self._written_kv, self.store.mem_pool_host.get_ksize_per_token()
                         * self.store.mem_pool_host.page_size * 2 if done else 0)
         return done
@@ -284,10 +308,18 @@ class L3Tier:
         except Exception:
             self._fault(f"{transfer.name} write")
             done = [False] * len(keys)
+        done = self._retry_failed(done, lambda idx: self._put_pool_subset(transfer, idx))
         host_pool = self.store.registered_pools.get(transfer.name)
         page_bytes = getattr(host_pool, "size_per_token", 0) * (getattr(host_pool, "page_size", 1) or 1)
         self._after_put(keys, done, self._written_state, page_bytes)
         return done
+
+    def _put_pool_subset(self, transfer: Any, idx: List[int]) -> List[bool]:
+        """batch_set_v2 of the pages `idx` of `transfer` (a retry of the ones refused)."""
+        page = len(transfer.host_indices) // len(transfer.keys)
+        subset = dataclasses.replace(transfer, keys=[transfer.keys[i] for i in idx], host_indices=torch.cat(
+            [transfer.host_indices[i * page:(i + 1) * page] for i in idx]))
+        return self.store.batch_set_v2([subset]).get(transfer.name, [False] * len(idx))
 
     def _after_put(self, keys: List[str], done: List[bool], written: set, page_bytes: int) -> None:
         ok = [k for k, d in zip(keys, done) if d]
