@@ -12,7 +12,9 @@ Master behaviour modelled (defaults from the installed `mooncake_master --help`,
   capacity, the master evicts `eviction_ratio` (0.05) of the objects, least recently used first
   (LRU by last put or get); objects that do not fit even after that evict further, one at a time.
   A put that cannot fit after evicting every evictable object is rejected (Mooncake's put returns
-  NO_AVAILABLE_HANDLE; the writer's cache is unaffected).
+  NO_AVAILABLE_HANDLE; the writer's cache is unaffected). The real master evicts *because* a put was
+  refused and HiState's writers retry such a put (l3/client.py, sglang_plugin/l3_tier.py), so the
+  net effect of refusal + eviction + retry is this model's single put.
 * Leases (`default_kv_lease_ttl` 10000 ms): a get grants a lease; a leased object is not evicted
   until the lease expires (the reader is still copying it).
 * Soft pins (`default_kv_soft_pin_ttl` 1800000 ms, `allow_evict_soft_pinned_objects` true): a pinned
