@@ -8,7 +8,7 @@ STAMP     := $(VENV)/.histate-installed-v2
 PYTEST    := $(VPY) -m pytest
 HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: help venv demo test test-fast test-gpu bench golden size clean
+.PHONY: help venv demo test test-fast test-gpu bench golden size clean cluster
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -38,6 +38,9 @@ WEKA_TRACE ?= ../shared/traces/cc-traces-weka-042026/traces.jsonl.gz
 demo: venv  ## replay ../shared's Weka sessions (--preset paper: the paper's load, 125 sessions) or, without them, the synthetic agent workload, through every policy
 	if [ -f $(WEKA_TRACE) ]; then $(VENV)/bin/histate replay --trace $(WEKA_TRACE) --preset paper --out out/demo; \
 	else $(VENV)/bin/histate replay --out out/demo; fi
+
+cluster: venv  ## a loopback fleet (Mooncake L3, 2 histate serve workers, sglang-router): four runs, one killing a worker mid-run, one the store service (docs/scaleout.md)
+	$(VENV)/bin/histate cluster --out out/cluster
 
 test: venv  ## run the CPU test suite (what CI runs)
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PYTEST) test -q
