@@ -1,7 +1,7 @@
 """The L3 write and read rules (core/l3_policy.py), against expectations worked out by hand."""
 import pytest
 
-from histate.core.l3_policy import L3Put, L3WriteConfig, plan_l3_writes, restorable_pages
+from histate.core import L3Put, L3WriteConfig, plan_l3_writes, restorable_pages
 
 NOTHING = lambda page: False  # noqa: E731
 

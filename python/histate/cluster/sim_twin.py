@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Optional
 
 from histate.cluster.run import root_ids
-from histate.core.l3_policy import L3WriteConfig
+from histate.core import L3WriteConfig
 from histate.sim.cluster import ClusterConfig, ClusterRun, replay_cluster
 from histate.sim.costs import RooflineStepCost, get_hardware, get_model
 from histate.sim.engine import EngineConfig

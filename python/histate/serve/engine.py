@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..core import Tier, available_policies, make_policy
-from ..core.l3_policy import DEFAULT_PIN_TTL_S, L3WriteConfig
+from ..core import DEFAULT_PIN_TTL_S, L3WriteConfig
 from ..reference.executor import ReferenceExecutor
 from ..reference.l3_tier import L3Tier
 from ..reference.runner import ModelRunner

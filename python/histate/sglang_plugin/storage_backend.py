@@ -64,7 +64,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from histate.core.l3_policy import L3WriteConfig, plan_l3_writes, restorable_pages
+from histate.core import L3WriteConfig, plan_l3_writes, restorable_pages
 
 from .config import MIN_SSD_SIZE_BYTES, HiStateConfigError, parse_storage_section
 from .server_settings import EXTRA_CONFIG_KEY

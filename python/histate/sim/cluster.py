@@ -45,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional
 
 from ..core import HybridPrefixCache, Tier, make_policy
-from ..core.l3_policy import L3WriteConfig, plan_l3_writes
+from ..core import L3WriteConfig, plan_l3_writes
 from .admission import CacheGate, engine_profile
 from .costs import get_model
 from .engine import Engine, EngineRequest, EventKind

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from ..core.l3_policy import restorable_pages
+from ..core import restorable_pages
 
 DEFAULT_EVICTION_HIGH_WATERMARK_RATIO = 0.90
 """`mooncake_master --help`: eviction_high_watermark_ratio, default 0.90000000000000002."""
