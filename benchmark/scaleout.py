@@ -4,7 +4,8 @@ Three sweeps, every number simulated:
   (a) scale-out: 1, 2, 4, 8, 16 servers at constant load per server (`--max-live-sessions` per
       server), histate vs sglang-hicache, without L3 and with an L3 of `--l3-gb` GB: cluster token
       hit rate and p95 TTFT;
-  (b) failover: the cluster of `--fail-servers` servers loses server 0 at mid-run, with and without
+  (b) failover: the cluster of `--fail-servers` servers loses server 0 at mid-run (the median arrival of
+      the requests it serves without the failure), with and without
       L3: the moved sessions' first-request TTFT next to the same requests in a run without failure;
   (c) L3 capacity: cluster hit rate vs L3 GB at `--fail-servers` servers with the failure.
 The L3 link is sim/l3_link.py's FLEET_L3_LINK (0.42 ms per operation measured on loopback, 100 Gbit/s assumed) unless --l3-link-gbps / --l3-op-latency-ms.
@@ -74,8 +75,11 @@ def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail:
     cluster = cluster_config(args, num_servers, l3_gb, fail)
     baseline = replay_cluster(workload, policy, config, cluster)
     if fail:
-        span = max(r.completion_s for r in baseline.records)
-        run = replay_cluster(workload, policy, config, replace(cluster, fail_server=(0, span / 2)))
+        # mid-run for server 0: the median arrival of the requests it served without the failure (half
+        # the whole run's span can fall after server 0's sessions ended, on heavy-tailed traces)
+        arrivals = sorted(r.arrival_s for r in baseline.records if baseline.server_of_uid[r.uid] == 0)
+        run = replay_cluster(workload, policy, config,
+                             replace(cluster, fail_server=(0, arrivals[len(arrivals) // 2])))
         summary = summarize_cluster(run, baseline)
     else:
         summary = summarize_cluster(baseline)
