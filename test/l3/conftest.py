@@ -5,20 +5,21 @@ import pytest
 from histate.l3 import services
 
 
-@pytest.fixture(scope="module")
-def mooncake():
+def _loopback(segment_size_bytes: int):
     reason = services.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    with services.LoopbackMooncake(segment_size_bytes=32 * 2**20) as mc:
+    return services.LoopbackMooncake(segment_size_bytes=segment_size_bytes)
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    with _loopback(32 * 2**20) as mc:
         yield mc
 
 
 @pytest.fixture
 def own_mooncake():
     """A master + store service for one test alone (tests that kill the store service)."""
-    reason = services.unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    with services.LoopbackMooncake(segment_size_bytes=16 * 2**20) as mc:
+    with _loopback(services.MIN_SEGMENT_SIZE_BYTES) as mc:
         yield mc

@@ -398,11 +398,7 @@ class _ClusterReplay(SessionDriver):
             # the failure at this completion's time; the loop runs it before anything later, and
             # before this session's next arrival even at gap 0 (the kill precedes the next send live)
             self.failure, self.fail_after_requests = (self.fail_after_requests[0], t), None
-        index = run.next_index
-        run.next_index += 1
-        for child in self.children.pop((run.session.session_id, index), []):
-            self._release(child, run.root_id, t)
-        self._schedule_next(run, t)
+        self._advance(run, t)
 
     def _result(self, wall_s: float) -> ClusterRun:
         for s in self.servers:

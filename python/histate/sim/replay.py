@@ -171,6 +171,14 @@ class SessionDriver:
         self.seq += 1
         heapq.heappush(self.arrivals, (t + req.gap_before_s, self.seq, run, req))
 
+    def _advance(self, run: _SessionRun, t: float) -> None:
+        """A request of `run` finished: release the subagents spawned after it, schedule the next one."""
+        index = run.next_index
+        run.next_index += 1
+        for child in self.children.pop((run.session.session_id, index), []):
+            self._release(child, run.root_id, t)
+        self._schedule_next(run, t)
+
     def _session_done(self, run: _SessionRun, t: float) -> None:
         run.is_done = True
         self._close_session(run.session.session_id, t)
@@ -266,11 +274,7 @@ class _Replay(SessionDriver):
         record.completion_s = t
         self.records.append(record)
         self.on_request_done()
-        index = run.next_index
-        run.next_index += 1
-        for child in self.children.pop((run.session.session_id, index), []):
-            self._release(child, run.root_id, t)
-        self._schedule_next(run, t)
+        self._advance(run, t)
 
     def _charge_writes(self, t: float) -> None:
         """Bytes the cache placed in CPU / SSD since the last call become background transfers
