@@ -294,3 +294,18 @@ def test_fleet_live_session_limit_admits_one_root_at_a_time():
         r.arrival_s for r in run.records if r.session_id == s))
     last_done = max(r.completion_s for r in run.records if r.session_id == first)
     assert min(r.arrival_s for r in run.records if r.session_id == second) == pytest.approx(last_done + 30.0)
+
+
+def test_l3_is_asked_only_past_what_the_reader_holds():
+    """KV of page 0 evicted from L3, pages 1-3 and the state at page 3 present: a reader holding page 0
+    itself restores 4 pages; one holding nothing restores none (the run of KV breaks at page 0).
+    (Bug caught: requiring L3 to hold the reader's own leading pages, which neither server does.)"""
+    from histate.sim.l3 import KV, STATE, L3Store, L3StoreConfig
+
+    store = L3Store(L3StoreConfig(10**9))
+    for k in (1, 2, 3):
+        store.put((KV, k), 10, 0.0)
+    store.put((STATE, 3), 10, 0.0)
+    assert store.restorable_pages([0, 1, 2, 3]) == 0
+    assert store.restorable_pages([0, 1, 2, 3], held_pages=1) == 4
+    assert store.restorable_pages([0, 1, 2, 3], held_pages=4) == 4

@@ -192,7 +192,7 @@ class _Server:
     # --- L3 -----------------------------------------------------------------------------------------
     def _read_l3(self, keys: tuple, local_pages: int, now_s: float) -> Optional[tuple]:
         store = self.cluster.l3_at(now_s)
-        pages = store.restorable_pages(keys)
+        pages = store.restorable_pages(keys, held_pages=local_pages)
         for k in keys[pages:]:            # forget puts the master evicted (core/l3_policy.py: a hint)
             if (KV, k) not in store.objects:
                 self.l3_written_kv.discard(k)

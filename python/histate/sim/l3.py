@@ -130,10 +130,15 @@ class L3Store:
     def contains(self, key: tuple) -> bool:
         return key in self.objects
 
-    def restorable_pages(self, page_keys: Sequence) -> int:
-        """Longest prefix of `page_keys` the read rule allows (KV [0, p) and the state at p - 1)."""
-        kv_present = []
-        for k in page_keys:  # the KV run ends at the first missing page: no need to look further
+    def restorable_pages(self, page_keys: Sequence, held_pages: int = 0) -> int:
+        """Longest prefix of `page_keys` the read rule allows (KV [0, p) and the state at p - 1), where
+        the reader already holds pages [0, held_pages) itself: a server asks L3 only for what lies
+        beyond its local match (SGLang's prefetch asks storage for `fill_ids[matched_len:]` only,
+        managers/scheduler.py:3372-3386 in the 0.5.23 wheel; the reference worker past its resume
+        point, reference/l3_tier.py), so a leading page L3 has evicted costs nothing to a reader
+        that holds it."""
+        kv_present = [True] * min(held_pages, len(page_keys))
+        for k in page_keys[len(kv_present):]:  # the KV run ends at the first missing page
             if (KV, k) not in self.objects:
                 break
             kv_present.append(True)
