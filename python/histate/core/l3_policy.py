@@ -20,10 +20,11 @@ Why only the deepest state: a session that moves to another server resumes from 
 end (the terminal-hit mass q of eq. 5 is most of an agent trace's reuse), and the KV of that bundle
 is also every earlier turn's prefix. Interior checkpoints stay private: their eq. 7 value
 (tau*C/M) is counted against this server's tiers, and in the simulator writing them through costs
-L3 capacity nobody reads (4 servers, 200 GB L3, a failure at half the run: the moved sessions' first TTFT 0.13 s
-with the terminal bundle, 0.25 s writing every held state; docs/scaleout.md, simulated). The SGLang
-plugin applies the same rule to what HiState backs up (sglang_plugin/l3_tier.py), the reference
-worker and the simulator's cluster mode call this function.
+L3 capacity nobody reads (4 servers, a failure: the moved sessions' first TTFT 0.14 / 0.30 s with the
+terminal bundle at 200 / 100 GB, 0.19 / 0.41 s writing every held state; on Weka 1.32 vs 2.14 s at
+400 GB; docs/scaleout.md, simulated). The SGLang plugin applies the same rule to what HiState backs
+up (sglang_plugin/l3_tier.py); the reference worker and the simulator's cluster mode call this
+function.
 
 Placement hints (Mooncake `ReplicateConfig`; the master may ignore or outlive them, so they are
 hints, never correctness):
