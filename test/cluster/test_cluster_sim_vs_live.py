@@ -5,7 +5,7 @@ placement, the live kill point, L3 on/off, the workers' budgets). Skipped like t
 tests when sglang-router, the workers' dependencies or Mooncake are missing."""
 import math
 
-from histate.cluster.sim_twin import TwinOptions, compare, format_table, max_gap_points, read_live
+from histate.cluster.sim_twin import TwinOptions, compare, format_table, read_live
 
 from .conftest import CLUSTER_ARGS, CLUSTER_L3_BYTES, CLUSTER_LIVE_SESSIONS
 
@@ -13,9 +13,13 @@ TOLERANCE_POINTS = 5.0
 
 
 def test_simulated_hit_rates_are_within_5_points_of_live_for_every_run(cluster_report):
-    """Cluster token hit rate per run, and the hit rate of the live run's moved sessions' next requests
-    (the same requests on both sides). Bugs this caught: the simulator matching a
-    page-aligned prompt's last page, which the worker never keys (reference/executor.py)."""
+    """The cluster's and every worker's token hit rate, live vs simulated, within 5 points on every run.
+    Bugs this caught: the simulator matching a page-aligned prompt's last page, which the worker never
+    keys (reference/executor.py); a kill at a completion count firing at another moment than live.
+    The moved sessions' next requests are compared in the table but not asserted: on this cluster they
+    are four requests of ~800 tokens, one 64-token page is 8 points, and which branch-point checkpoint
+    exists when one arrives depends on arrival order within a few milliseconds (seen once in four CI
+    runs; benchmark/cluster_sim_vs_live.py measures them on 16 sessions)."""
     workload, live_dir, _ = cluster_report
     table = compare(workload, read_live(live_dir), TwinOptions(max_live_sessions=CLUSTER_LIVE_SESSIONS,
                                                                seed=CLUSTER_ARGS["seed"],
@@ -23,7 +27,9 @@ def test_simulated_hit_rates_are_within_5_points_of_live_for_every_run(cluster_r
     report = format_table(table)
     assert set(table) == {"l3", "l3+kill", "no-l3+kill"}, report
     for name, both in table.items():
-        assert both["sim"]["moved_sessions"] == both["live"]["moved_sessions"], report
-        assert not math.isnan(both["sim"]["hit_rate"]), report
-    gaps = max_gap_points(table)
-    assert all(gap <= TOLERANCE_POINTS for gap in gaps.values()), f"{gaps}\n{report}"
+        live, sim = both["live"], both["sim"]
+        assert sim["moved_sessions"] == live["moved_sessions"], report
+        pairs = [(live["hit_rate"], sim["hit_rate"]), *zip(live["per_worker"], sim["per_worker"])]
+        assert all(not math.isnan(s) for _, s in pairs), report
+        gaps = [100 * abs(s - lv) for lv, s in pairs if not math.isnan(lv)]
+        assert max(gaps) <= TOLERANCE_POINTS, f"{name}: {gaps}\n{report}"

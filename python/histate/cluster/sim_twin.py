@@ -11,7 +11,11 @@ What is taken from the live run (its out dir: requests.csv, summary.json):
     a kill catches in flight is timing the simulator does not model (HTTP, the router's own retry,
     Python); replaying the live run's decisions puts the same requests on the same workers;
   * the kill: through the routing alone (`simulate`): after the kill the live run sent nothing to
-    the dead worker, and the replayed decisions send nothing there either.
+    the dead worker, and the replayed decisions send nothing there either;
+  * arrivals: no request arrives before the live client sent it (`earliest_arrival_s`). A request
+    lost with the dead worker was resent after the kill; arriving when its session's previous
+    request finished, it found a cache without the branch-point checkpoint a later request had
+    made live (seen: 8 points on four moved sessions' next requests).
 What is configured to match a worker (`histate serve` defaults, histate/serve/engine.py ServeConfig,
 as benchmark/sim_vs_live.py configures the single-server twin):
   * model tiny-qwen3.5 (the reference model's spec), the worker's tier budgets (64 / 256 / 1024 MiB),
@@ -26,8 +30,9 @@ as benchmark/sim_vs_live.py configures the single-server twin):
   * L3: a store of the segment's size, the worker's write rule (core/l3_policy.py, L3WriteConfig
     defaults = serve's --l3-pin-ttl-s default), the loopback link measured in sim/l3_link.py.
 Timing is a roofline with a per-step overhead (`step_overhead_s`) standing in for the CPU worker's
-forward pass, fitted so the simulated `l3` run lasts as long as the live one: it orders one worker's
-L3 writes against another worker's reads, not what is compared.
+forward pass, fitted per run so each simulated run lasts as long as its live one: it orders one
+worker's L3 writes against another worker's reads, and it sets the residence times HiState's
+interval controller plans checkpoints from (`fit_step_overhead_s`).
 """
 from __future__ import annotations
 
@@ -108,7 +113,7 @@ class TwinOptions:
     seed: int = 0
     l3_segment_bytes: int = 512 * MiB
     budgets_mib: tuple = SERVE_BUDGETS_MIB
-    step_overhead_s: Optional[float] = None   # None: fitted to the live `l3` run (fit_step_overhead_s)
+    step_overhead_s: Optional[float] = None   # None: fitted to each live run (fit_step_overhead_s)
 
 
 def simulate(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOptions) -> ClusterRun:
@@ -124,6 +129,7 @@ def simulate(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOpti
     cluster = ClusterConfig(
         num_servers=len(live.worker_urls), router="fixed", placement=live.placement(root_ids(workload)),
         request_placement=live.request_placement(),
+        earliest_arrival_s={r["uid"]: r["arrival_s"] for r in live.records},
         l3_store=L3StoreConfig(options.l3_segment_bytes if with_l3 else 0), l3_link=LOOPBACK_L3_LINK,
         l3_write=L3WriteConfig(), max_live_sessions_total=options.max_live_sessions)
     # No simulated kill: with every request on the worker that served it live, the killed worker gets
@@ -135,16 +141,20 @@ def simulate(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOpti
     return replay_cluster(workload, "histate", config, cluster)
 
 
-def fit_step_overhead_s(workload: Workload, live: LiveRun, options: TwinOptions, iterations: int = 12) -> float:
-    """The per-pass time at which the simulated twin of `live` (the no-failure `l3` run) takes as long
-    as the live run did, last first token to last first token (bisection; the makespan grows with the
-    per-pass time). Why: whether a worker's L3 read finds the bundle another worker wrote depends on
-    which came first, and that is how long a request takes relative to the workload's gaps."""
+def fit_step_overhead_s(workload: Workload, live: LiveRun, with_l3: bool, options: TwinOptions,
+                        iterations: int = 12) -> float:
+    """The per-pass time at which the simulated twin of `live` takes as long as the live run did, last
+    first token to last first token (bisection; the makespan grows with the per-pass time), fitted
+    per run (a run with a failure lasts longer: retries, the surviving worker's queue). Why timing
+    matters for hit rates at all: whether a worker's L3 read finds the bundle another worker wrote
+    depends on which came first, and HiState's interval controller sets checkpoint density from
+    measured residence times (eq. 3-6), so a twin running at another pace plans other positions
+    (seen: 8 points on four moved sessions' next requests with one fit for all runs)."""
     target_s = max(r["arrival_s"] + r["ttft_s"] for r in live.records)
     lo, hi = 1e-4, 0.5
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5
-        run = simulate(workload, live, True, replace(options, step_overhead_s=mid))
+        run = simulate(workload, live, with_l3, replace(options, step_overhead_s=mid))
         if max(r.first_token_s for r in run.records) < target_s:
             lo = mid
         else:
@@ -194,12 +204,16 @@ WITH_L3 = {"l3": True, "l3+kill": True, "no-l3+kill": False}
 def compare(workload: Workload, live_runs: dict, options: TwinOptions) -> dict:
     """{run name: {"live": metrics, "sim": metrics}} for the runs of `histate cluster` that kill no store
     service (`l3+store-kill` has no twin: sim/l3.py does not model a store service's failure)."""
-    if options.step_overhead_s is None:
-        options = replace(options, step_overhead_s=fit_step_overhead_s(workload, live_runs["l3"], options))
-    return {name: {"live": live_metrics(live_runs[name]),
-                   "sim": sim_metrics(simulate(workload, live_runs[name], with_l3, options),
-                                      live_runs[name].moved_next_uids)}
-            for name, with_l3 in WITH_L3.items() if name in live_runs}
+    table = {}
+    for name, with_l3 in WITH_L3.items():
+        if name not in live_runs:
+            continue
+        live, run_options = live_runs[name], options
+        if options.step_overhead_s is None:
+            run_options = replace(options, step_overhead_s=fit_step_overhead_s(workload, live, with_l3, options))
+        table[name] = {"live": live_metrics(live),
+                       "sim": sim_metrics(simulate(workload, live, with_l3, run_options), live.moved_next_uids)}
+    return table
 
 
 def _points(a: float, b: float) -> str:

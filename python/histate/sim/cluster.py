@@ -71,6 +71,9 @@ class ClusterConfig:
     fail_after_requests: Optional[tuple] = None   # (server index, completed requests cluster-wide)
     placement: Optional[Mapping] = None   # router "fixed": routing key -> server(s) (router.py)
     request_placement: Optional[Mapping] = None  # router "fixed": request uid -> server (router.py)
+    earliest_arrival_s: Optional[Mapping] = None  # request uid -> no arrival before this (a live run's
+    #   send times: a request the live client resent after a kill arrives then, not when its session's
+    #   previous request finished; cluster/sim_twin.py)
     max_live_sessions_total: Optional[int] = None
     """Live root sessions of the whole fleet; None: `max_live_sessions` per server. `histate cluster`
     admits through one bench client, so its limit is the fleet's (bench/sessions.py `_admit_all`)."""
@@ -368,6 +371,10 @@ class _ClusterReplay(SessionDriver):
     @property
     def max_live_sessions(self) -> int:
         return self.max_live
+
+    def _earliest_arrival_s(self, uid) -> float:
+        floors = self.cluster.earliest_arrival_s
+        return floors.get(uid, 0.0) if floors else 0.0
 
     def _close_session(self, session_id: str, t: float) -> None:
         for server in self.servers:   # the session's references, wherever its requests ran

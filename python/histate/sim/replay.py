@@ -169,7 +169,12 @@ class SessionDriver:
             return
         run.is_waiting = False
         self.seq += 1
-        heapq.heappush(self.arrivals, (t + req.gap_before_s, self.seq, run, req))
+        heapq.heappush(self.arrivals, (max(t + req.gap_before_s, self._earliest_arrival_s(req.uid)), self.seq, run, req))
+
+    def _earliest_arrival_s(self, uid) -> float:
+        """A floor on a request's arrival (closed loop otherwise): none here; the cluster twin of a
+        live run uses the live arrivals (cluster.py `ClusterConfig.earliest_arrival_s`)."""
+        return 0.0
 
     def _advance(self, run: _SessionRun, t: float) -> None:
         """A request of `run` finished: release the subagents spawned after it, schedule the next one."""
