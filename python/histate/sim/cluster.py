@@ -52,7 +52,7 @@ from .engine import Engine, EngineRequest, EventKind
 from .l3 import KV, STATE, L3Store, L3StoreConfig
 from .l3_link import FLEET_L3_LINK, L3LinkSpec
 from .metrics import RequestRecord
-from .replay import ReplayConfig, SessionDriver, _SessionRun, admission_order
+from .replay import ReplayConfig, SessionDriver, _SessionRun, admission_order, charge_cache_writes
 from .request import Workload
 from .router import make_router
 
@@ -184,13 +184,8 @@ class _Server:
         self.stats = ServerStats(index)
 
     def _charge_writes(self, t: float) -> None:
-        """replay._Replay._charge_writes: CPU / SSD bytes the cache wrote become background transfers."""
-        by_tier = self.cache.stats.bytes_written_by_tier
-        for tier, src in ((Tier.CPU, Tier.GPU), (Tier.SSD, Tier.CPU)):
-            delta = by_tier.get(tier, 0) - self.written[tier]
-            if delta:
-                self.written[tier] += delta
-                self.engine.submit_transfer(delta, int(src), int(tier), t)
+        """CPU / SSD bytes this server's cache wrote become background transfers (replay.py)."""
+        charge_cache_writes(self.cache, self.written, self.engine, t)
 
     # --- L3 -----------------------------------------------------------------------------------------
     def _read_l3(self, keys: tuple, local_pages: int, now_s: float) -> Optional[tuple]:

@@ -284,12 +284,19 @@ class _Replay(SessionDriver):
     def _charge_writes(self, t: float) -> None:
         """Bytes the cache placed in CPU / SSD since the last call become background transfers
         (offload over D2H; SSD writes on the SSD channel). Promotions to GPU are charged as restores."""
-        by_tier = self.cache.stats.bytes_written_by_tier
-        for tier, src in ((Tier.CPU, Tier.GPU), (Tier.SSD, Tier.CPU)):
-            delta = by_tier.get(tier, 0) - self.written[tier]
-            if delta:
-                self.written[tier] += delta
-                self.engine.submit_transfer(delta, int(src), int(tier), t)
+        charge_cache_writes(self.cache, self.written, self.engine, t)
+
+
+def charge_cache_writes(cache, written: dict, engine, t: float) -> None:
+    """The CPU / SSD bytes `cache` wrote since `written` (per tier, updated) become background
+    transfers on `engine`: offload over D2H, SSD writes on the SSD channel. Shared by the single-server
+    and cluster replays, whose servers charge their own cache's writes."""
+    by_tier = cache.stats.bytes_written_by_tier
+    for tier, src in ((Tier.CPU, Tier.GPU), (Tier.SSD, Tier.CPU)):
+        delta = by_tier.get(tier, 0) - written[tier]
+        if delta:
+            written[tier] += delta
+            engine.submit_transfer(delta, int(src), int(tier), t)
 
 
 def replay(workload: Workload, policy: str, config: ReplayConfig = ReplayConfig(),
