@@ -38,6 +38,15 @@ the reuse-position prior). On the Weka traces 4.4% of reused pages come from req
 previous request's context exactly one page before its end and 0.8% two to four pages before it
 (docs/results.md), so a window of 8 pages covers what was seen with room to spare."""
 
+DEPTH_PRIOR_BIN_PAGES = 8
+"""Width of the depth prior's bins (depth_prior.py), in pages: 512 tokens. A hit lands at most a bin
+past the checkpoint that serves it, against up to one eq. 5 interval (thousands of tokens) without it."""
+
+DEPTH_PRIOR_ALPHA = 0.02
+"""Weight of one interior hit in the depth prior's EMA. Smaller than DEFAULT_EMA_ALPHA: the depth prior
+spreads its mass over many bins, so each needs more hits to be estimated (about the last 50 interior
+hits carry it, against 10 for the eight near-end offsets)."""
+
 DEFAULT_CHUNK_PAGES = 128
 """Chunked-prefill size in 64-token pages: SGLang's 8192-token default on 80 GB GPUs
 (sglang/srt/arg_groups/memory_hook.py), where SGLang keeps a state per chunk."""

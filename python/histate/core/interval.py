@@ -11,12 +11,15 @@ With a learned reuse-position prior (policy_state.py), p_t is no longer uniform 
 an interior hit lands k pages before the end with probability p'_k and uniformly elsewhere with the
 rest, u = 1 - sum(p'). Eq. 3 then becomes u * C_recomp(I) + sum_k p'_k * (distance from L - k back to
 the nearest checkpoint), and eq. 5 also chooses which near-end positions L - k get a checkpoint
-(`plan_positions`). With no learned mass it is the paper's rule, position for position.
+(`plan_positions`). The interior hits beyond the near-end window are learned by absolute depth
+(depth_prior.py): a depth bin's mass inside the segment sits at the bin's first page and is taken from
+the uniform share. With no learned mass it is the paper's rule, position for position.
 """
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+import heapq
+from bisect import bisect_left, bisect_right, insort
 from typing import Optional, Sequence
 
 
@@ -59,51 +62,91 @@ def choose_interval_pages(
     return best_i
 
 
-def near_end_recompute_pages(end_pages: int, near_end_probs: Sequence[float], checkpoints: Sequence[int]) -> float:
-    """sum_k p'_k * ((end - k) - nearest checkpoint <= end - k), over near-end positions after the
-    segment start. `checkpoints` is sorted and starts with the segment start."""
-    cost = 0.0
-    start = checkpoints[0]
+def hit_points(start_pages: int, end_pages: int, near_end_probs: Sequence[float] = (),
+               depth_bins: Sequence[tuple] = ()) -> dict:
+    """position -> learned interior-hit mass inside (start, end): p'_k at end - k, and each depth bin's
+    mass at its first page (a checkpoint there serves every hit of the bin; depth_prior.py)."""
+    points: dict = {}
     for k, prob in enumerate(near_end_probs, start=1):
         pos = end_pages - k
-        if pos <= start or not prob:
-            continue
-        cost += prob * (pos - checkpoints[bisect_right(checkpoints, pos) - 1])
-    return cost
+        if prob and pos > start_pages:
+            points[pos] = points.get(pos, 0.0) + prob
+    for first, _last, mass in depth_bins:
+        if mass and start_pages < first < end_pages:
+            points[first] = points.get(first, 0.0) + mass
+    return points
+
+
+class _PointMass:
+    """The learned hit mass as sorted positions with prefix sums: the recompute a set of checkpoints
+    leaves on it, and what one more checkpoint saves."""
+
+    __slots__ = ("positions", "prefix")
+
+    def __init__(self, points: dict):
+        self.positions = sorted(points)
+        self.prefix = [0.0]
+        for pos in self.positions:
+            self.prefix.append(self.prefix[-1] + points[pos])
+
+    def mass(self, lo: int, hi: int) -> float:
+        """Mass at positions in [lo, hi)."""
+        return self.prefix[bisect_left(self.positions, hi)] - self.prefix[bisect_left(self.positions, lo)]
+
+    def cost(self, checkpoints: Sequence[int]) -> float:
+        """sum of mass * (position - nearest checkpoint <= position); `checkpoints` sorted, first the start."""
+        total = 0.0
+        for i, pos in enumerate(self.positions):
+            total += (self.prefix[i + 1] - self.prefix[i]) * (pos - checkpoints[bisect_right(checkpoints, pos) - 1])
+        return total
+
+    def saving(self, checkpoints: Sequence[int], candidate: int, end_pages: int) -> float:
+        """How much a checkpoint at `candidate` lowers `cost`: every hit from it to the next checkpoint
+        resumes there instead of at the one before it."""
+        i = bisect_right(checkpoints, candidate)
+        nxt = checkpoints[i] if i < len(checkpoints) else end_pages
+        return (candidate - checkpoints[i - 1]) * self.mass(candidate, nxt)
 
 
 def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: float, pressure_ratio: float,
-                   supported: Sequence[int], near_end_probs: Sequence[float] = ()) -> list[int]:
-    """Eq. 5 over the interval grid and the near-end positions together: for each supported interval,
-    add near-end checkpoints greedily while each lowers C_mem + C_recomp; keep the cheapest plan.
-    Ties go to the larger interval. Returns the intermediate positions (the terminal is not included)."""
+                   supported: Sequence[int], near_end_probs: Sequence[float] = (),
+                   depth_bins: Sequence[tuple] = ()) -> list[int]:
+    """Eq. 5 over the interval grid and the learned hit positions together: for each supported interval,
+    add checkpoints at learned positions (near-end offsets, depth bins) greedily while each lowers
+    C_mem + C_recomp; keep the cheapest plan. Ties go to the larger interval. Returns the intermediate
+    positions (the terminal is not included).
+
+    The learned masses are shares of interior hits; the uniform share is what neither explains inside
+    this segment: 1 - sum(p') - (depth mass inside the segment). A checkpoint's saving only shrinks as
+    others are added (it serves fewer hits, from nearer), so the greedy is evaluated lazily."""
     num_pages = end_pages - start_pages
-    uniform = 1.0 - sum(near_end_probs)
+    depth_inside = sum(mass for _first, _last, mass in depth_bins)
+    uniform = max(0.0, 1.0 - sum(near_end_probs) - depth_inside)
     one = pressure_ratio * checkpoint_pages_equiv  # C_mem of one checkpoint
-    # A checkpoint at end - k serves at most the near-end mass of offsets 1..k, each at most the segment
-    # away from the checkpoint before it: offsets whose bound cannot pay for a checkpoint are never chosen.
-    reach, useful = 0.0, []
-    for k, prob in enumerate(near_end_probs, start=1):
-        reach += prob
-        if prob > 0 and reach * num_pages > one and start_pages < end_pages - k:
-            useful.append(end_pages - k)
+    learned = _PointMass(hit_points(start_pages, end_pages, near_end_probs, depth_bins))
+    # A checkpoint at c saves at most (c - start) * (mass at or after c): one that cannot pay for
+    # itself that way is never chosen.
+    useful = [c for c in learned.positions if (c - start_pages) * learned.mass(c, end_pages) > one]
     best_cost, best_plan = math.inf, []
     for interval in sorted(supported, reverse=True):
         grid = list(range(start_pages + interval, end_pages, interval))
         chosen = [start_pages] + grid
         cost = one * len(grid) + uniform * recompute_cost_pages(num_pages, interval)
-        if near_end_probs:
-            cost += near_end_recompute_pages(end_pages, near_end_probs, chosen)
-            candidates = set(useful) - set(grid)
-            while candidates:
-                trial = min(((one + cost - near_end_recompute_pages(end_pages, near_end_probs, chosen)
-                              + near_end_recompute_pages(end_pages, near_end_probs, sorted(chosen + [c])), c)
-                             for c in candidates))
-                if trial[0] >= cost - 1e-12:
+        if learned.positions:
+            cost += learned.cost(chosen)
+            on_grid = set(grid)
+            heap = [(-learned.saving(chosen, c, end_pages), c) for c in useful if c not in on_grid]
+            heapq.heapify(heap)
+            while heap:
+                _bound, c = heapq.heappop(heap)
+                saving = learned.saving(chosen, c, end_pages)
+                if heap and (-saving, c) > heap[0]:  # stale bound: another candidate may be better now
+                    heapq.heappush(heap, (-saving, c))
+                    continue
+                if saving <= one + 1e-12:
                     break
-                cost = trial[0]
-                chosen = sorted(chosen + [trial[1]])
-                candidates.discard(trial[1])
+                cost -= saving - one
+                insort(chosen, c)
         if cost < best_cost:
             best_cost, best_plan = cost, chosen[1:]
     return best_plan
@@ -175,14 +218,15 @@ class IntervalController:
         return kv / st
 
     def plan(self, start_pages: int, end_pages: int, now_s: Optional[float] = None,
-             near_end_probs: Sequence[float] = ()) -> list[int]:
-        """Checkpoint depths for the segment (start, end]; the terminal `end_pages` always included."""
+             near_end_probs: Sequence[float] = (), depth_bins: Sequence[tuple] = ()) -> list[int]:
+        """Checkpoint depths for the segment (start, end]; the terminal `end_pages` always included.
+        `depth_bins`: the depth prior's bins inside the segment (DepthPrior.bins_in)."""
         num_pages = end_pages - start_pages
         if num_pages <= 0:
             return []
         ratio = self.pressure_ratio(now_s)
-        if not any(near_end_probs):
+        if not any(near_end_probs) and not depth_bins:
             interval = choose_interval_pages(num_pages, self.checkpoint_pages_equiv, ratio, self.supported)
             return list(range(start_pages + interval, end_pages, interval)) + [end_pages]
         return plan_positions(start_pages, end_pages, self.checkpoint_pages_equiv, ratio, self.supported,
-                              near_end_probs) + [end_pages]
+                              near_end_probs, depth_bins) + [end_pages]

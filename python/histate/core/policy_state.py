@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .config import NEAR_END_WINDOW_PAGES, CacheConfig
+from .config import DEPTH_PRIOR_ALPHA, DEPTH_PRIOR_BIN_PAGES, NEAR_END_WINDOW_PAGES, CacheConfig
+from .depth_prior import DepthPrior
 from .interval import Ema, IntervalController, TierFlow
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
@@ -49,6 +50,9 @@ class PolicyState:
         # for k = 1..window, from observed hits; policies that keep the paper's uniform prior ignore it.
         self.learns_near_end = getattr(policy, "learns_reuse_positions", False)
         self.near_end_hits = [Ema(config.ema_alpha, 0.0) for _ in range(NEAR_END_WINDOW_PAGES)]
+        # ... and by absolute depth for the interior hits far from any end (depth_prior.py)
+        self.depth_prior = (DepthPrior(DEPTH_PRIOR_BIN_PAGES, DEPTH_PRIOR_ALPHA)
+                            if self.learns_near_end and getattr(policy, "learns_depth_positions", False) else None)
         self._restore_cost, self._demotion_tier, self._checkpoint_demotion_tier = (), (), ()
         if getattr(policy, "charges_demotions", False) and config.restore_cost_tokens and demotion_tier:
             self._restore_cost = tuple(float(config.restore_cost_tokens.get(t, 0.0)) for t in ALL_TIERS)
@@ -114,16 +118,20 @@ class PolicyState:
         pages = (match_units + offset) // stride - match_units // stride
         return pages if pages <= window else None
 
-    def observe_match(self, num_kv_pages: int, end_offset_pages) -> None:
-        """A request matched: update q (the share of hits that land at a trajectory's end, judged by
-        where the request leaves the cached tree) and the near-end share of the interior hits."""
-        if num_kv_pages <= 0:
+    def observe_match(self, kv_match_units: int, end_offset_pages) -> None:
+        """A request matched `kv_match_units` (node units) of KV: update q (the share of hits that land
+        at a trajectory's end, judged by where the request leaves the cached tree), the near-end share
+        of the interior hits and, for an interior hit beyond the near-end window, its depth."""
+        if kv_match_units <= 0:
             return
         terminal = end_offset_pages == 0
         self.terminal_hits.observe(1.0 if terminal else 0.0)
         if not terminal and self.learns_near_end:
             for k, ema in enumerate(self.near_end_hits, start=1):
                 ema.observe(1.0 if end_offset_pages == k else 0.0)
+            far = end_offset_pages is None
+            if self.depth_prior is not None:
+                self.depth_prior.observe(kv_match_units // self.near_end_stride if far else None)
         self._ctx = self._context()
 
     def refresh(self, kv_path: Sequence, ckpt_path: Sequence, ckpt_node, now_s: float) -> None:
@@ -154,8 +162,9 @@ class PolicyState:
         caches the output, its decode states up to `output_end_pages`."""
         if self.policy.dense_checkpoints:
             return []
+        depth_bins = self.depth_prior.bins_in(start_pages, end_pages) if self.depth_prior is not None else ()
         ctx = AdmissionContext(start_pages, kv_match_pages, end_pages, self.controller, self.config, now_s,
-                               self._ctx.near_end_probs, step_end_pages, output_end_pages)
+                               self._ctx.near_end_probs, depth_bins, step_end_pages, output_end_pages)
         return self.policy.admit(ctx)
 
     # --- residence samples (T_KV, T_state of eq. 4) ------------------------------------------------

@@ -33,6 +33,7 @@ class AdmissionContext:
     config: object  # CacheConfig
     now_s: float = 0.0
     near_end_probs: tuple = ()  # learned reuse-position prior near the segment's end (PolicyState)
+    depth_bins: tuple = ()  # learned prior of far interior hits by depth, inside the segment (DepthPrior.bins_in)
     step_end_pages: tuple = ()  # where the executor's prefill forward passes ended (pages, ascending)
     output_end_pages: Optional[int] = None  # pages holding KV at finish (prompt + output); None: no output
 
@@ -56,6 +57,7 @@ class Policy:
     scan_victims = False  # choose victims by scanning the pool (`choose_victim`), not by heap order
     engine = "sglang"  # whose scheduler serves it in the simulator: "sglang" or "vllm" (sim/admission.py)
     learns_reuse_positions = False  # learn where interior hits land near a trajectory's end (PolicyState)
+    learns_depth_positions = False  # ... and, far from the end, at which depths (with learns_reuse_positions)
     charges_demotions = False  # eq. 7's C of a demoted unit is its transfer, not its recompute (units.py)
     estimates_residence_by_flow = True  # Little's-law T_KV / T_state before residences are observed
     captures_in_pass = False  # plan at admission; a pass keeps every planned state on its chunk grid (capture.py)

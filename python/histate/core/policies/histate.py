@@ -1,8 +1,9 @@
 """HiState (paper §3) and the ablations of Figure 10.
 
 histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymmetric tiering, with eq. 3's
-                   p_t learned online near each trajectory's end (departure from the paper's uniform p_t:
-                   docs/policies.md "Reuse-position prior")
+                   p_t learned online near each trajectory's end and, farther from it, by absolute depth
+                   (departure from the paper's uniform p_t: docs/policies.md "Reuse-position prior")
+histate-no-depth   histate without the depth half of the prior (ablation of core/depth_prior.py)
 histate-paper      the paper's rules exactly: uniform interior prior, C = recompute for every eviction, the
                    neutral T_KV/T_state ratio until residences are observed (ablation of the departures)
 histate-align      admission replaced by vLLM's align rule (terminal state only)
@@ -44,6 +45,7 @@ class HiState(Policy):
     refresh_all = True
     kv_ends_at_last_state = True
     learns_reuse_positions = True
+    learns_depth_positions = True
     charges_demotions = True
     decode_track_pages = 1  # --enable-histate sets SGLang's --mamba-track-interval to the 64-token state grid
 
@@ -52,12 +54,19 @@ class HiState(Policy):
 
     def prompt_states(self, ctx: AdmissionContext) -> list[int]:
         """Eq. 5 intervals over the new segment, the terminal, and the observed branch point."""
-        return ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs) + branch_point(ctx)
+        return (ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs, ctx.depth_bins)
+                + branch_point(ctx))
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         cost = expected_cost_tokens(node, unit, bit, ctx)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
         return last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
+
+
+@register_policy
+class HiStateNoDepth(HiState):
+    name = "histate-no-depth"
+    learns_depth_positions = False
 
 
 @register_policy
