@@ -207,4 +207,9 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
     # positions, 160 checkpoints on request paths, 136 of them historical and on SSD alone).
     assert compared == 24 and homed >= 100 and checkpoints - homed >= 20
     assert gate.stats.captured_interior == gate.stats.planned_interior >= 30 and gate.stats.off_grid == 0
+    # Both learned the same reuse-position prior from the same matches: the plugin's token-unit matches
+    # and the simulator's pages put the same far interior hits in the same depth bins.
+    plugin_bins = rig.cache.histate.state.depth_prior.bins_in(0, 1 << 20)
+    assert plugin_bins and plugin_bins == sim.state.depth_prior.bins_in(0, 1 << 20)
+    assert rig.cache.histate.state.near_end_probs == sim.state.near_end_probs
     rig.cache.sanity_check()
