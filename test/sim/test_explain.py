@@ -127,3 +127,21 @@ def test_every_lost_page_is_attributed_once_on_a_replay_under_pressure():
     assert abs(sum(v["share"] for v in summary["by_cause"].values()) - 1.0) < 1e-9
     report = explain(workload, runs, {"histate": log})
     assert report["histate"]["unlimited"]["lost_tokens"] == summary["lost_tokens"]
+
+
+def test_an_eviction_while_the_request_waits_in_the_queue_is_an_eviction():
+    """SGLang pins a prefix only at admission: KV evicted after a request arrived but before its first
+    match is lost to that eviction, not "never cached" (the record's matched_s, not its arrival)."""
+    mini = MiniReplay("histate", gpu_pages=14)
+    mini.serve("a", A, checkpoints=[12])               # uid 0, t=1: A cached with its terminal state
+    mini.serve("b", [("b", i) for i in range(12)])     # uid 1, t=2: evicts A for room
+    late = mini.serve("a", A + [("a2", 0)])            # uid 2, t=3: matches nothing
+    ((evicted_at, _),) = [e for e in mini.log.kv_gone[A[0]]]
+    assert late.kv_hit_tokens == 0 and 1.0 < evicted_at <= 2.0
+    late.matched_s = late.arrival_s
+    late.arrival_s = evicted_at - 0.5  # it arrived before the eviction and waited
+    causes, att = causes_of(mini, reference(mini, {2: 12}), 2)
+    assert causes == {"kv_evicted": 12} and att.asked_s == 3.0
+    late.matched_s = None  # judged at its arrival, as before matched_s existed: no eviction yet, mislabelled
+    causes, _ = causes_of(mini, reference(mini, {2: 12}), 2)
+    assert causes == {"kv_never_cached": 12}

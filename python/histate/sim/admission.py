@@ -87,7 +87,7 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
 class _Held:
     """One request as the gate sees it."""
 
-    __slots__ = ("request", "lease", "kv_bytes", "state_bytes", "first_match", "plan_pages")
+    __slots__ = ("request", "lease", "kv_bytes", "state_bytes", "first_match", "first_match_s", "plan_pages")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -95,6 +95,7 @@ class _Held:
         self.kv_bytes = 0            # promised in the GPU KV pool
         self.state_bytes = 0         # promised in the GPU state pool (the same pool unless split)
         self.first_match: Optional[MatchResult] = None
+        self.first_match_s: Optional[float] = None  # when that match happened (explain attributes there)
         self.plan_pages: Optional[list] = None  # prompt positions planned at first admission (in-pass capture)
 
 
@@ -138,6 +139,11 @@ class CacheGate(MemoryGate):
     def first_match(self, uid: Hashable) -> Optional[MatchResult]:
         """The cache match of the request's first admission (what it reused; hit accounting)."""
         return self.held[uid].first_match
+
+    def first_match_s(self, uid: Hashable) -> Optional[float]:
+        """When the request's first admission matched: a request waiting in the queue loses what the
+        cache evicts before then, after its arrival (sim/explain.py)."""
+        return self.held[uid].first_match_s
 
     def finish(self, uid: Hashable, step_end_tokens: list, now_s: float) -> None:
         """The request's last token is out: its memory goes back and the cache keeps what the engine
@@ -185,7 +191,7 @@ class CacheGate(MemoryGate):
             return None
         held.lease = lease
         if held.first_match is None:
-            held.first_match = m
+            held.first_match, held.first_match_s = m, now_s
             if cache.policy.captures_in_pass:  # planned as the first pass is built (sglang_plugin/capture.py)
                 held.plan_pages = cache.plan_checkpoints(lease, self.match_pages(request.input_num_tokens))
         self.stats.admissions += 1

@@ -379,6 +379,7 @@ class _ClusterReplay(SessionDriver):
     def _on_finished(self, server: _Server, uid, timing, t: float) -> None:
         record, run = server.in_flight.pop(uid)
         match = server.gate.first_match(uid)
+        record.matched_s = server.gate.first_match_s(uid)
         server.gate.finish(uid, timing.step_end_tokens, t)
         P = self.page_num_tokens
         l3_pages = server.gate.l3_pages.pop(uid, 0)

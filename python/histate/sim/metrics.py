@@ -38,6 +38,7 @@ class RequestRecord:
     server: str = ""        # which server served it, where there are several (live: the worker's URL)
     l3_hit_tokens: int = 0  # of reused_tokens, those restored from the shared L3 store
     output_digest: str = ""  # live runs: BLAKE2b of the output token ids (exactness checks across runs)
+    matched_s: Optional[float] = None  # when its first admission matched the cache (None: at arrival)
 
     @property
     def ttft_s(self) -> float:

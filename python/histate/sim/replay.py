@@ -271,6 +271,7 @@ class _Replay(SessionDriver):
     def _on_finished(self, uid, timing, t: float) -> None:
         record, run = self.in_flight.pop(uid)
         match = self.gate.first_match(uid)  # what the request reused at its first admission
+        record.matched_s = self.gate.first_match_s(uid)
         self.gate.finish(uid, timing.step_end_tokens, t)
         P = self.page_num_tokens
         record.kv_hit_tokens = match.num_kv_pages * P
