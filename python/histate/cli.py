@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--long-prefill-token-threshold", type=_number("tokens", at_least=0, integer=True), default=0,
                      help="policies on vLLM's scheduler give every prefill at most this many tokens per step "
                           "(vLLM's --long-prefill-token-threshold; 0: off)")
+    sim.add_argument("--enable-mixed-chunk", action="store_true",
+                     help="policies on SGLang's scheduler run their running decodes in the prefill steps, each decode "
+                          "taking one token off the step's chunk budget (SGLang's --enable-mixed-chunk; vLLM's "
+                          "scheduler always does)")
     cl = r.add_argument_group("cluster mode (sim/cluster.py; any flag here other than the defaults turns it on)")
     cl.add_argument("--servers", type=_number("servers", at_least=1, integer=True), default=1,
                     help="simulated servers, each with the budgets above; live sessions scale with them (1)")
@@ -447,6 +451,8 @@ def build_config(args, settings: dict, page_num_tokens: int):
         config = replace(config, hardware_spec=hardware.with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps))
     if getattr(args, "chunked_prefill_size", None) is not None:
         config = replace(config, engine=replace(config.engine, token_budget_per_step=args.chunked_prefill_size))
+    if getattr(args, "enable_mixed_chunk", False):
+        config = replace(config, engine=replace(config.engine, sglang_mixed_chunk=True))
     if getattr(args, "long_prefill_token_threshold", 0):
         config = replace(config, engine=replace(config.engine, long_prefill_token_threshold=args.long_prefill_token_threshold))
     if getattr(args, "short_prefill_first", None) is not None:

@@ -224,6 +224,23 @@ def test_engine_profiles_follow_the_policy_unless_overridden():
         engine_profile(make_policy("histate"), QWEN35_9B, base, P, engine="trt")
 
 
+def test_enable_mixed_chunk_mixes_decodes_into_sglang_prefill_steps_only():
+    """SGLang's --enable-mixed-chunk (scheduler.py:1376-1378) turns on the engine's mixed steps for the
+    policies SGLang serves (decodes ride in prefill steps, each taking a token of the chunk budget:
+    test_engine.py pins that rule); vLLM's scheduler always mixes, flag or not."""
+    from histate.cli import build_config, build_parser, resolve_workload_settings
+    from histate.sim.admission import engine_profile
+
+    def engines(flags):
+        args = build_parser().parse_args(["replay", "--synthetic", "agent", *flags])
+        config = build_config(args, resolve_workload_settings(args, args.model), P)
+        return {name: engine_profile(make_policy(name), QWEN35_9B, config.engine, P).engine.mixed_batches
+                for name in ("histate", "sglang-tuned", "vllm-disk")}
+
+    assert engines([]) == {"histate": False, "sglang-tuned": False, "vllm-disk": True}
+    assert engines(["--enable-mixed-chunk"]) == {"histate": True, "sglang-tuned": True, "vllm-disk": True}
+
+
 def test_the_simulator_captures_every_planned_position_with_grid_cuts():
     from histate.sim.workloads import demo_workload
 

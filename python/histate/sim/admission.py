@@ -77,8 +77,12 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
         # HiState floors every chunked-prefill cut to the state grid (sglang_plugin/chunking.py); stock
         # SGLang cuts wherever the budget ends (`mamba_prefill_chunk_grid` is 1 without DCP).
         rule = "grid" if policy.captures_in_pass else "none"
-        # long_prefill_token_threshold is vLLM's per-request step cap; SGLang has none.
-        return EngineProfile("sglang", replace(base, mixed_batches=False, chunk_rule=rule, long_prefill_token_threshold=0,
+        # long_prefill_token_threshold is vLLM's per-request step cap; SGLang has none. Decodes share a
+        # prefill step only with --enable-mixed-chunk (scheduler.py:1376-1378, 4376-4395), whose running
+        # decodes take their tokens off the step's chunk budget (schedule_policy.py:638-655,
+        # rem_chunk_tokens -= num_mixed_decode_tokens; the engine's `mixed_batches` budget rule).
+        return EngineProfile("sglang", replace(base, mixed_batches=base.sglang_mixed_chunk, chunk_rule=rule,
+                                               long_prefill_token_threshold=0,
                                                block_num_tokens=page_num_tokens),
                              1, SGLANG_WORKING_STATES, grows=False)
     raise ValueError(f"policy {policy.name!r}: unknown engine {name!r}; known: {', '.join(ENGINES)}")

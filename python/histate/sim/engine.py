@@ -88,6 +88,7 @@ class EngineConfig:
     block_num_tokens: int = 1             # the "vllm" rule's block; the "grid" rule's grid
     short_prefill_first: Optional[ShortPrefillFirst] = None  # cap a continuing chunk for short prefills (docstring)
     long_prefill_token_threshold: int = 0  # vLLM: at most this many tokens per request per step (0: off; docstring)
+    sglang_mixed_chunk: bool = False      # SGLang --enable-mixed-chunk: its policies get mixed_batches (admission.py)
     page_tokens: int = 1                  # SGLang's --page-size (1 for Qwen3.5 off SM100): charges short_prefill_first
     caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
     #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
