@@ -141,7 +141,7 @@ def test_an_eviction_while_the_request_waits_in_the_queue_is_an_eviction():
     late.matched_s = late.arrival_s
     late.arrival_s = evicted_at - 0.5  # it arrived before the eviction and waited
     causes, att = causes_of(mini, reference(mini, {2: 12}), 2)
-    assert causes == {"kv_evicted": 12} and att.asked_s == 3.0
+    assert causes == {"kv_evicted": 12} and att.matched_s == 3.0
     late.matched_s = None  # judged at its arrival, as before matched_s existed: no eviction yet, mislabelled
     causes, _ = causes_of(mini, reference(mini, {2: 12}), 2)
     assert causes == {"kv_never_cached": 12}

@@ -61,10 +61,6 @@ class DepthPrior:
             self._bins = (order, [self._weights[b] * self._scale for b in order])
         return self._bins
 
-    @property
-    def total_mass(self) -> float:
-        return sum(self._sorted()[1])
-
     def bins_in(self, start_pages: int, end_pages: int) -> tuple:
         """((first_page, last_page, mass), ...) for the bins with hit depths in (start, end), ascending,
         clipped to it; a clipped bin keeps the mass of its pages inside (hits are taken as uniform over

@@ -129,8 +129,8 @@ class PolicyState:
         if not terminal and self.learns_near_end:
             for k, ema in enumerate(self.near_end_hits, start=1):
                 ema.observe(1.0 if end_offset_pages == k else 0.0)
-            far = end_offset_pages is None
-            if self.depth_prior is not None:
+            if self.depth_prior is not None:  # a far hit at its depth in pages; a near-end one only decays
+                far = end_offset_pages is None
                 self.depth_prior.observe(kv_match_units // self.near_end_stride if far else None)
         self._ctx = self._context()
 

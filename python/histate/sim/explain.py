@@ -125,7 +125,7 @@ class Attribution:
     loss_pages: int
     pages_by_cause: dict = field(default_factory=dict)
     eviction: Optional[int] = None  # the eviction behind the largest evicted share, if any
-    asked_s: Optional[float] = None  # when it matched the cache (its first admission); causes are judged there
+    matched_s: Optional[float] = None  # when it matched the cache (its first admission); causes are judged there
 
 
 def attribute(workload: Workload, run: PolicyRun, reference: PolicyRun, log: EvictionLog) -> list[Attribution]:
@@ -137,7 +137,7 @@ def attribute(workload: Workload, run: PolicyRun, reference: PolicyRun, log: Evi
     for rec in sorted(run.records, key=lambda r: r.arrival_s):
         # What the cache held when the request matched, not when it arrived: a request waiting in the
         # queue loses what is evicted in between (SGLang pins a prefix only once a request is admitted).
-        asked_s = rec.arrival_s if rec.matched_s is None else rec.matched_s
+        matched_s = rec.arrival_s if rec.matched_s is None else rec.matched_s
         other = ref.get(rec.uid)
         if other is None:
             continue
@@ -148,7 +148,7 @@ def attribute(workload: Workload, run: PolicyRun, reference: PolicyRun, log: Evi
         causes: dict = {}
         eviction = None
         if m < target:  # the KV of page m is missing
-            event = log.kv_eviction_before(keys[m], asked_s)
+            event = log.kv_eviction_before(keys[m], matched_s)
             cause = "kv_evicted" if event is not None else "kv_never_cached"
             causes[cause] = target - m
             if event is not None and event[1] >= 0:
@@ -157,7 +157,7 @@ def attribute(workload: Workload, run: PolicyRun, reference: PolicyRun, log: Evi
         if top > c:  # KV of [c, top) is there; no usable checkpoint in (c, top]
             deepest, state = None, None
             for depth in range(top, c, -1):
-                state = log.checkpoint_state_before(keys[depth - 1], asked_s)
+                state = log.checkpoint_state_before(keys[depth - 1], matched_s)
                 if state is not None:
                     deepest = depth
                     break
@@ -169,10 +169,10 @@ def attribute(workload: Workload, run: PolicyRun, reference: PolicyRun, log: Evi
                 if top > deepest:
                     causes["no_checkpoint"] = causes.get("no_checkpoint", 0) + top - deepest
                 if state == "gone" and (eviction is None or deepest - c > causes.get("kv_evicted", 0)):
-                    gone = log._last_before(log.ckpt_gone[keys[deepest - 1]], asked_s)
+                    gone = log._last_before(log.ckpt_gone[keys[deepest - 1]], matched_s)
                     if gone is not None and gone[1] >= 0:
                         eviction = gone[1]
-        out.append(Attribution(rec.uid, rec.session_id, rec.arrival_s, target - c, causes, eviction, asked_s))
+        out.append(Attribution(rec.uid, rec.session_id, rec.arrival_s, target - c, causes, eviction, matched_s))
     return out
 
 
@@ -201,13 +201,13 @@ def summarize_attribution(attributions: Sequence[Attribution], log: EvictionLog,
             "by_unit": _count(e.unit for _, e in evicted),
             "by_tier": _count(e.tier for _, e in evicted),
             "median_idle_before_eviction_s": statistics.median(e.time_s - e.t_last_s for _, e in evicted),
-            "median_eviction_to_reuse_s": statistics.median(a.asked_s - e.time_s for a, e in evicted),
+            "median_eviction_to_reuse_s": statistics.median(a.matched_s - e.time_s for a, e in evicted),
             "median_cost_tokens": statistics.median(e.cost_tokens for _, e in evicted),
             "median_reclaim_tokens": statistics.median(e.reclaim_tokens for _, e in evicted),
         }
     worst = sorted(attributions, key=lambda a: -a.loss_pages)[:top]
     summary["worst_requests"] = [
-        {"uid": a.uid, "session": a.session_id, "arrival_s": round(a.arrival_s, 3), "matched_s": round(a.asked_s, 3),
+        {"uid": a.uid, "session": a.session_id, "arrival_s": round(a.arrival_s, 3), "matched_s": round(a.matched_s, 3),
          "lost_tokens": a.loss_pages * page_num_tokens,
          "by_cause": {c: p * page_num_tokens for c, p in a.pages_by_cause.items()},
          "eviction": (_eviction_dict(log.evictions[a.eviction]) if a.eviction is not None else None)}
