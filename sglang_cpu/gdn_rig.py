@@ -118,12 +118,13 @@ class GdnRig:
 
     # --- requests ------------------------------------------------------------------------------------
 
-    def request(self, rid: str, tokens: Sequence[int], max_new_tokens: int = 1) -> Any:
-        """A real `Req`, and its GDN layers' inputs from one cold forward of the reference model."""
+    def request(self, rid: str, tokens: Sequence[int], max_new_tokens: int = 1, decoded: Sequence[int] = ()) -> Any:
+        """A real `Req`, and its GDN layers' inputs from one cold forward of the reference model over its
+        prompt and then `decoded`, the tokens it will sample (a decode row's input is its last one)."""
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        self.inputs[rid] = self.layer_inputs(tokens)
+        self.inputs[rid] = self.layer_inputs(list(tokens) + list(decoded))
         return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
                    sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
 
@@ -143,8 +144,11 @@ class GdnRig:
     # --- one forward pass ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, reqs: list) -> Any:
-        """Build the batch as the scheduler does and run every GDN layer of it through SGLang's backend."""
+    def forward(self, reqs: list, running: Any = None) -> Any:
+        """Build the batch as the scheduler does and run every GDN layer of it through SGLang's backend.
+        `running`: a batch of requests past their prompt, mixed into this one as SGLang's
+        `--enable-mixed-chunk` does (scheduler.py:4376-4395): `prepare_for_decode`, then
+        `mix_with_running`, one decode row per request after the prefill rows."""
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
         from sglang.srt.model_executor.model_runner import ModelRunner
@@ -154,15 +158,27 @@ class GdnRig:
         batch = ScheduleBatch.init_new(reqs, pools.req_to_token_pool, pools.allocator, self.cache, self.model_config,
                                        False, SpeculativeAlgorithm.NONE)
         batch.prepare_for_extend()
+        if running is not None:
+            running.prepare_for_decode()
+            batch.mix_with_running(running)
+            batch.decoding_reqs = running.reqs
         forward_batch = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
         ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(self.model_runner, forward_batch)
         self.backend.init_forward_metadata(forward_batch)
+        # Each row's tokens as the batch lists them (a decode row's prefix is its sequence less one token).
+        spans = [(start, start + length) for start, length in zip(batch.prefix_lens, batch.extend_lens)]
         for index, (layer_id, module) in enumerate(zip(self.mamba_layers, self.gdn)):
-            parts = [self.inputs[req.rid][index] for req in reqs]
-            mixed_qkv, a, b = (torch.cat([p[k][req.prefix_len:req.extend_end] for p, req in zip(parts, reqs)])
+            parts = [self.inputs[req.rid][index] for req in batch.reqs]
+            mixed_qkv, a, b = (torch.cat([p[k][start:end] for p, (start, end) in zip(parts, spans)])
                                for k in range(3))
             self.backend.forward_extend(_layer(layer_id, module), forward_batch, mixed_qkv, a, b)
         return batch
+
+    def working_state(self, req: Any) -> tuple:
+        """(conv, ssm) of the request's own running state slot, in `tree_state`'s layout."""
+        slot = int(req.kv.mamba_pool_idx)
+        cache = self.pools.mamba_pool.mamba_cache
+        return cache.conv[0][:, slot].clone(), cache.temporal[:, slot].clone()
 
     # --- reading states back -----------------------------------------------------------------------------
 

@@ -15,13 +15,17 @@ from typing import Any, Optional
 
 def prefill_round(cache: Any, allocator: Any, page_size: int, chunked_req: Optional[Any], waiting: list, *,
                   rem_chunk_tokens: Optional[int], rem_input_tokens: int = 16 * 1024,
-                  chunked_req_limit: Optional[int] = None) -> tuple[Any, Optional[Any]]:
+                  chunked_req_limit: Optional[int] = None, running_batch: Optional[Any] = None,
+                  num_mixed_decode_tokens: int = 0) -> tuple[Any, Optional[Any]]:
     """Returns the adder (its `can_run_list` is the batch) and the scheduler's `chunked_req`.
-    `chunked_req_limit`: the cap shortest-prefill-first puts on the continuing chunk (4178-4183)."""
+    `chunked_req_limit`: the cap shortest-prefill-first puts on the continuing chunk (4178-4183).
+    `running_batch`, `num_mixed_decode_tokens`: the decoding batch and, with `--enable-mixed-chunk`, the
+    tokens its rows take off this round's budgets (4157-4174; schedule_policy.py:638-655)."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
-    adder = PrefillAdder(page_size, cache, allocator, None, new_token_ratio=0.7,
-                         rem_input_tokens=rem_input_tokens, rem_chunk_tokens=rem_chunk_tokens)
+    adder = PrefillAdder(page_size, cache, allocator, running_batch, new_token_ratio=0.7,
+                         rem_input_tokens=rem_input_tokens, rem_chunk_tokens=rem_chunk_tokens,
+                         num_mixed_decode_tokens=num_mixed_decode_tokens)
     if chunked_req is not None:
         chunked_req.init_next_round_input()
         adder.chunked_req_limit = chunked_req_limit

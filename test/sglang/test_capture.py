@@ -161,3 +161,58 @@ def test_a_prefill_kernel_without_per_chunk_states_is_refused_at_model_load(rig_
     backend = types.SimpleNamespace(kernel_dispatcher=types.SimpleNamespace(extend_kernel=CuteDSLGDNKernel()))
     with pytest.raises(RuntimeError, match="--linear-attn-prefill-backend triton"):
         check_extend_kernel(None, backend)
+
+
+@pytest.mark.parametrize("numerics", ["fp64", "fp32"])
+def test_a_prefill_mixed_with_running_decodes_keeps_every_planned_state(rig_for, numerics, monkeypatch):
+    """`--enable-mixed-chunk`: a prompt's pass carries the running requests' decode rows, appended after
+    the prefill rows by SGLang's own `mix_with_running` (one token each, untracked), and the round's
+    budgets lose one token per decode row (`num_mixed_decode_tokens`). Every state the prompt planned must
+    still be the cold one (its per-chunk rows come first in `h`; the decode rows add one each), and each
+    decode row must leave its request's running state exactly as a cold prefill over its prompt and the
+    token it decoded does: HiState's capture writes must not touch it. (`prepare_for_decode` pins its
+    track mask before the host-to-device copy; with no accelerator, pinning is the identity here.)"""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+    _, tol = TOLERANCE[numerics]  # a 200 + 1 split rounds unlike one 201-token pass: not bit-identical
+    rig = rig_for(numerics)
+    cache = rig.cache
+    decoders = [("d", _tokens(8, 200), [11, 12]), ("e", _tokens(9, 333), [13, 14])]
+    running_reqs = [rig.request(rid, tokens, max_new_tokens=4, decoded=out) for rid, tokens, out in decoders]
+    adder, chunked = prefill_round(cache, rig.pools.allocator, PAGE, None, running_reqs, rem_chunk_tokens=4096)
+    assert adder.can_run_list == running_reqs and chunked is None
+    running = rig.forward(running_reqs)
+    for req, (_, _, out) in zip(running_reqs, decoders):  # batch_result_processor.py:393, then the sample
+        checkpoint_kv_cache(req, cache)
+        req.output_ids.append(out[0])
+    running.filter_batch()
+
+    tokens = _tokens(10, 600)
+    req = rig.request("n", tokens)
+    adder, chunked = prefill_round(cache, rig.pools.allocator, PAGE, None, [req], rem_chunk_tokens=4096,
+                                   running_batch=running, num_mixed_decode_tokens=len(running_reqs))
+    assert adder.can_run_list == [req] and chunked is None
+    assert adder.rem_chunk_tokens == 4096 - len(running_reqs) - 608  # the prompt in whole 16-token pages
+    batch = rig.forward([req], running=running)
+    assert [r.rid for r in batch.reqs] == ["n", "d", "e"] and batch.extend_lens == [600, 1, 1]
+    assert batch.forward_mode.name == "MIXED"
+    assert req._hs_plan == [128, 256, 384, 512, 576]
+    metrics = cache.histate.metrics.totals
+    assert metrics[("captures_total", "extra")] >= 4  # the prompt's four interior states, in this pass
+
+    for decoder, (rid, prompt, out) in zip(running_reqs, decoders):
+        want = rig.cold_layer_state(rid, len(prompt) + 1)
+        for name, got, ref in zip(("conv", "ssm"), rig.working_state(decoder), want):
+            diff = (got.to(torch.float64) - ref.to(torch.float64)).abs().max().item()
+            assert diff <= tol, f"{rid} after its mixed decode row, {name}: {diff:.3g} > {tol}"
+
+    checkpoint_kv_cache(req, cache)
+    req.finished_reason = FINISH_LENGTH(length=0)
+    release_kv_cache(req, cache, checkpoint=True)
+    assert _check_every_planned_state(rig, numerics, [(req, tokens)]) == 5
+    for decoder in running_reqs:
+        decoder.finished_reason = FINISH_LENGTH(length=0)
+        release_kv_cache(decoder, cache, checkpoint=True)
+    cache.sanity_check()
