@@ -2,7 +2,10 @@
 (interval.plan_positions): the lazy EMA against an eager one, the bins a segment sees, the greedy
 against an eager re-implementation, and a cache whose sessions each diverge at the end of their own
 system prompt."""
+import dataclasses
 import math
+
+import pytest
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -120,10 +123,12 @@ def test_the_lazy_greedy_chooses_what_the_eager_greedy_chooses(start, length, ra
     assert got == want
 
 
-def test_policy_state_learns_depths_in_pages_whatever_its_node_unit():
+@pytest.mark.parametrize("grid_tokens", [64, 256])
+def test_policy_state_learns_depths_in_pages_whatever_its_node_unit(grid_tokens):
     """The SGLang plugin's tree counts tokens (node unit 1): a far interior hit 41 pages deep lands
-    in the bin of page 41 there as in the page tree."""
-    config = tiny_config(gpu_pages=100)
+    in the bin of page 41 there as in the page tree, on the 64-token grid and on the 256-token grid
+    SGLang's `--page-size 256` makes (pages are grid steps, so the conversion divides by the grid)."""
+    config = dataclasses.replace(tiny_config(gpu_pages=100), page_num_tokens=grid_tokens)
     policy = make_policy("histate")
     pages, tokens = PolicyState(policy, config), PolicyState(policy, config, node_unit_tokens=1)
     pages.observe_match(41, None)
