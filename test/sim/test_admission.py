@@ -241,6 +241,18 @@ def test_enable_mixed_chunk_mixes_decodes_into_sglang_prefill_steps_only():
     assert engines(["--enable-mixed-chunk"]) == {"histate": True, "sglang-tuned": True, "vllm-disk": True}
 
 
+def test_host_restores_overlap_the_forward_only_on_sglang():
+    """HiCache's load-back runs layer by layer under the forward (cache_controller.py:1028-1069); vLLM's
+    connector loads before it schedules the request (test_engine.py pins both timings)."""
+    from histate.sim.admission import engine_profile
+    from histate.sim.engine import EngineConfig
+
+    layerwise = {name: engine_profile(make_policy(name), QWEN35_9B, EngineConfig(), P).engine.layerwise_load
+                 for name in ("histate", "sglang-hicache", "sglang-tuned", "vllm-disk", "vllm-current-cpu", "marconi")}
+    assert layerwise == {"histate": True, "sglang-hicache": True, "sglang-tuned": True, "vllm-disk": False,
+                         "vllm-current-cpu": False, "marconi": False}
+
+
 def test_the_simulator_captures_every_planned_position_with_grid_cuts():
     from histate.sim.workloads import demo_workload
 

@@ -154,6 +154,54 @@ def test_background_writes_delay_a_restore_by_at_most_the_unit_in_flight():
     assert eng.ssd.stats.background_bytes == 10 * unit
 
 
+# ------------------------------------------------------------------------- SGLang's layer-wise load-back
+LAYERS = 32  # Qwen3.5-9B: HiCache's load-back is a pipeline of one copy per layer
+HALF_SECOND_H2D = 32 * 10**9  # bytes: 0.5 s over H2D at 64 GB/s
+
+
+@pytest.mark.parametrize("layerwise, n, ttft", [
+    (False, 256, 0.5 + 0.25),                  # the copy, then the step (vLLM's connector; the default)
+    (True, 256, 0.5 + 0.25 / LAYERS),          # load-bound: the last layer's copy, then one layer of compute
+    (True, 1024, 0.5 / LAYERS + 1.0),          # compute-bound: the first layer's copy, then the whole step
+])
+def test_a_host_restore_overlaps_the_forward_layer_by_layer(layerwise, n, ttft):
+    eng = engine(layerwise_load=layerwise)
+    t = eng.submit(req("a", n, ctx=n + 4096, kv_restore_bytes_by_tier={CPU_TIER: HALF_SECOND_H2D}), 0.0)
+    drain(eng)
+    assert t.ttft_s == pytest.approx(ttft, rel=1e-12)
+    assert t.restore_done_s == pytest.approx(0.5, rel=1e-12)  # the data is resident when its copy ends
+
+
+def test_a_batch_waits_for_its_members_layers():
+    """SGLang's forward waits per layer for the batch's load-back: a request with nothing to load that
+    shares the step ends when the loading one does (without the overlap it would run first, alone)."""
+    eng = engine(layerwise_load=True)
+    a = eng.submit(req("a", 256, ctx=4096, kv_restore_bytes_by_tier={CPU_TIER: HALF_SECOND_H2D}), 0.0)
+    b = eng.submit(req("b", 256), 0.0)
+    drain(eng)
+    end = 0.5 + 0.5 / LAYERS                   # 512 tokens: 0.5 s of compute, load-bound
+    assert a.ttft_s == pytest.approx(end, rel=1e-12) and b.ttft_s == pytest.approx(end, rel=1e-12)
+    assert eng.stats.prefill_steps == 1 and eng.stats.busy_s == pytest.approx(end, rel=1e-12)
+    eng = engine()
+    a, b = (eng.submit(req("a", 256, ctx=4096, kv_restore_bytes_by_tier={CPU_TIER: HALF_SECOND_H2D}), 0.0),
+            eng.submit(req("b", 256), 0.0))
+    drain(eng)
+    assert (b.ttft_s, a.ttft_s) == (0.25, pytest.approx(0.75, rel=1e-12))
+
+
+def test_ssd_bytes_reach_host_memory_before_the_request_runs():
+    """An SSD checkpoint is read into host memory first (SGLang's storage prefetch), then loaded
+    layer by layer like any host hit; later chunks of the same prompt find their prefix resident."""
+    ckpt = QWEN35_9B.ssm_state_bytes
+    read_s, load_s = ckpt / 5e9, ckpt / 64e9
+    eng = engine(layerwise_load=True, token_budget_per_step=1024)
+    t = eng.submit(req("a", 2048, ctx=2048 + 640, checkpoint_restore_bytes=ckpt, checkpoint_tier=SSD_TIER), 0.0)
+    drain(eng)
+    first = max(read_s + load_s / LAYERS + 1.0, read_s + load_s + 1.0 / LAYERS)
+    assert t.prefill_start_s == pytest.approx(read_s, rel=1e-12)
+    assert t.ttft_s == pytest.approx(first + 1.0, rel=1e-12)   # the second 1,024-token chunk is not stretched
+
+
 # ------------------------------------------------------------------------- fast-forward exactness
 def test_fast_forward_matches_step_by_step_roofline():
     cost = RooflineStepCost(QWEN35_9B, H100_SXM)

@@ -81,8 +81,10 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
         # prefill step only with --enable-mixed-chunk (scheduler.py:1376-1378, 4376-4395), whose running
         # decodes take their tokens off the step's chunk budget (schedule_policy.py:638-655,
         # rem_chunk_tokens -= num_mixed_decode_tokens; the engine's `mixed_batches` budget rule).
+        # HiCache's load-back overlaps the forward layer by layer (cache_controller.py:1028-1069,
+        # memory_pool.py:1675-1725; the engine's `layerwise_load`).
         return EngineProfile("sglang", replace(base, mixed_batches=base.sglang_mixed_chunk, chunk_rule=rule,
-                                               long_prefill_token_threshold=0,
+                                               long_prefill_token_threshold=0, layerwise_load=True,
                                                block_num_tokens=page_num_tokens),
                              1, SGLANG_WORKING_STATES, grows=False)
     raise ValueError(f"policy {policy.name!r}: unknown engine {name!r}; known: {', '.join(ENGINES)}")

@@ -27,7 +27,16 @@ Model:
   a restore overlaps the SSD read of its other part. Background transfers (`submit_transfer`) use
   the same links at lower priority, in `io_unit_bytes` units that a restore cannot preempt: a
   restore waits for at most the unit in flight, so checkpoint and KV writes to SSD slow restores
-  down without starving them.
+  down without starving them. `layerwise_load` (SGLang): the host-to-device part overlaps the
+  forward layer by layer instead of preceding it. SGLang's HiCache issues a batch's load-back when the
+  batch launches and each layer of the forward waits for that layer's copy only
+  (managers/cache_controller.py:1028-1069 `start_loading`, per-layer `on_layer_done` events;
+  mem_cache/memory_pool.py:1675-1725 `layer_transfer_counter.wait_until(layer_id)` for KV and mamba
+  layers). So the request joins the prefill queue once its bytes are in host memory (SSD reads done),
+  and the first step it runs in ends no earlier than its load's last layer plus one layer of compute,
+  nor earlier than its first layer's load plus the whole step (`_layerwise_end`): a load longer than
+  the step's compute stretches that step for everyone in it, as the batch's forward waits. vLLM's
+  connector loads before the request is scheduled (its KV arrives first), the default here.
 * Compute. Continuous batching with a token budget per forward step (`token_budget_per_step`:
   SGLang's `--chunked-prefill-size`, 8192 on H100/H200, sglang/srt/arg_groups/memory_hook.py).
   `mixed_batches=True` (vLLM V1; SGLang `--enable-mixed-chunk`): every running decode contributes
@@ -90,6 +99,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # vLLM: at most this many tokens per request per step (0: off; docstring)
     sglang_mixed_chunk: bool = False      # SGLang --enable-mixed-chunk: its policies get mixed_batches (admission.py)
     page_tokens: int = 1                  # SGLang's --page-size (1 for Qwen3.5 off SM100): charges short_prefill_first
+    layerwise_load: bool = False          # SGLang: host-to-device restores overlap the forward per layer (docstring)
     caches_outputs: bool = True           # a finished request's output KV/states enter the cache (every real
     #   engine); False models `histate serve`, whose greedy output never matches the next prompt (bench
     #   prompts come from the trace's hash ids), so nothing past the prompt can be reused there
@@ -152,7 +162,8 @@ class RequestTiming:
 
     @property
     def queue_s(self) -> float:
-        """Data resident to the first step that computes this request."""
+        """Data resident to the first step that computes this request (negative when that step started
+        while its layers were still arriving: `layerwise_load`)."""
         return self.prefill_start_s - self.restore_done_s
 
     @property
@@ -289,7 +300,7 @@ class _Active:
     """One request inside the engine."""
 
     __slots__ = ("req", "timing", "prompt_tokens", "remaining", "context", "target", "decode_left", "started",
-                 "generated", "admission", "grown_to", "needs_decode_memory", "yields")
+                 "generated", "admission", "grown_to", "needs_decode_memory", "yields", "load_window")
 
     def __init__(self, req: EngineRequest, timing: RequestTiming) -> None:
         self.req, self.timing = req, timing
@@ -304,6 +315,7 @@ class _Active:
         self.grown_to = 0           # tokens of KV the gate promised (vLLM growth)
         self.needs_decode_memory = False
         self.yields = 0             # passes in a row its chunk was capped for short prefills
+        self.load_window = None     # layerwise_load: (start, end) of its host-to-device copy, until its first step
 
 
 class Engine:
@@ -327,6 +339,8 @@ class Engine:
         self._now = 0.0
         self._gpu_free = 0.0           # end of the last committed step
         self._seq = 0
+        layers = model.architecture.num_layers if model.architecture is not None else 1
+        self._num_layers = max(1, layers)  # layerwise_load's pipeline depth (1: no overlap)
         self._waiting: deque = deque() # submitted or preempted, not admitted (FIFO; preempted first)
         self._running: dict = {}       # request id -> _Active, in admission order (preemption order)
         self._restoring: list = []     # heap of (ready_s, seq, admission, _Active)
@@ -403,9 +417,16 @@ class Engine:
         timing = active.timing
         timing.restore_done_s = ready
         timing.restore_transfer_s = max((cpu_bytes + ssd_bytes) / h2d_bw, ssd_bytes / ssd_bw + ssd_bytes / h2d_bw)
+        staged = ssd_end if ssd_bytes else now_s  # every byte in host memory (layerwise_load)
         if req.l3_restore_bytes:
-            self._start_l3_restore(timing, req.l3_restore_bytes, now_s)
+            l3_end = self._start_l3_restore(timing, req.l3_restore_bytes, now_s)
             ready = timing.restore_done_s
+            staged = max(staged, l3_end)
+        active.load_window = None
+        if self.config.layerwise_load and ready > staged:
+            load_s = (cpu_bytes + ssd_bytes + req.l3_restore_bytes) / h2d_bw
+            active.load_window = (ready - load_s, ready)
+            ready = staged  # it runs while its layers arrive (module docstring, Restore)
         if timing.admitted_s is None:
             timing.admitted_s = now_s
             timing.num_compute_tokens = n
@@ -420,10 +441,11 @@ class Engine:
         self._seq += 1
         heapq.heappush(self._restoring, (ready, self._seq, active.admission, active))
 
-    def _start_l3_restore(self, timing: RequestTiming, l3_bytes: int, now_s: float) -> None:
+    def _start_l3_restore(self, timing: RequestTiming, l3_bytes: int, now_s: float) -> float:
         """Cluster mode: `l3_bytes` cross the L3 link (one operation's latency + bytes / bandwidth,
         FIFO behind other restores and at most one background unit) and then H2D, like an SSD read
-        (module docstring, Restore). Runs after the local restore was reserved, so it queues behind it."""
+        (module docstring, Restore). Runs after the local restore was reserved, so it queues behind it.
+        Returns when the bytes are in host memory."""
         if self.l3 is None:
             raise ValueError("an L3 restore on an engine without an L3 link")
         spec, h2d_bw = self.l3_spec, self.hardware.h2d_bandwidth_bytes_per_s
@@ -432,6 +454,7 @@ class Engine:
         h2d_end = self.h2d.reserve(l3_bytes / h2d_bw, l3_bytes, now_s)
         timing.restore_done_s = max(timing.restore_done_s, h2d_end, l3_end + l3_bytes / h2d_bw)
         timing.restore_transfer_s = max(timing.restore_transfer_s, link_s + l3_bytes / h2d_bw)
+        return l3_end
 
     def submit_l3_put(self, size_bytes: float, num_ops: int, now_s: float) -> float:
         """Cluster mode: a background write of `size_bytes` in `num_ops` store operations (HiCache
@@ -653,8 +676,8 @@ class Engine:
             return
         # chunks may be empty when decodes take the whole budget: then this is one decode-only step.
         dt = self.cost.step_time_s(chunks, len(decoding), self._decode_context_sum if decoding else 0)
-        end = start + dt
-        self._commit_step_stats(dt, prefill=bool(chunks))
+        end = self._layerwise_end(members, start, dt)
+        self._commit_step_stats(end - start, prefill=bool(chunks))
         events = []
         for active, n in members:
             active.remaining -= n
@@ -669,6 +692,22 @@ class Engine:
             self._prefill_done(active, end, events)
         self._gpu_free = end
         self._emit(events, end)
+
+    def _layerwise_end(self, members: list, start: float, dt: float) -> float:
+        """End of a step of `dt` seconds of compute whose members may still be loading (layerwise_load):
+        layer l computes once its copy and layer l - 1 are done, so with L layers and a load of
+        [a, b] the step ends at max(max(start, a + (b - a) / L) + dt, b + dt / L)."""
+        end = start + dt
+        per_layer = 1.0 / self._num_layers
+        for active, _ in members:
+            window = active.load_window
+            if window is None:
+                continue
+            active.load_window = None  # later chunks find their prefix resident
+            load_start, load_end = window
+            end = max(end, max(start, load_start + (load_end - load_start) * per_layer) + dt,
+                      load_end + dt * per_layer)
+        return end
 
     def _prefill_done(self, active: _Active, t: float, events: list) -> None:
         """The prefill produced a token: the first one (TTFT), or the next one after a preemption."""
