@@ -182,6 +182,7 @@ def test_a_batch_waits_for_its_members_layers():
     end = 0.5 + 0.5 / LAYERS                   # 512 tokens: 0.5 s of compute, load-bound
     assert a.ttft_s == pytest.approx(end, rel=1e-12) and b.ttft_s == pytest.approx(end, rel=1e-12)
     assert eng.stats.prefill_steps == 1 and eng.stats.busy_s == pytest.approx(end, rel=1e-12)
+    assert eng.stats.load_wait_s == pytest.approx(end - 0.5, rel=1e-12)
     eng = engine()
     a, b = (eng.submit(req("a", 256, ctx=4096, kv_restore_bytes_by_tier={CPU_TIER: HALF_SECOND_H2D}), 0.0),
             eng.submit(req("b", 256), 0.0))

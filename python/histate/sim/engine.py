@@ -288,6 +288,7 @@ class EngineStats:
     prefill_steps: int = 0               # steps with at least one prefill chunk
     decode_only_steps: int = 0
     busy_s: float = 0.0                  # GPU time spent in steps
+    load_wait_s: float = 0.0             # of it, steps stretched by a member's layer-wise load (layerwise_load)
     prefill_tokens: int = 0
     decode_tokens: int = 0
     requests_submitted: int = 0
@@ -677,6 +678,7 @@ class Engine:
         # chunks may be empty when decodes take the whole budget: then this is one decode-only step.
         dt = self.cost.step_time_s(chunks, len(decoding), self._decode_context_sum if decoding else 0)
         end = self._layerwise_end(members, start, dt)
+        self.stats.load_wait_s += end - start - dt
         self._commit_step_stats(end - start, prefill=bool(chunks))
         events = []
         for active, n in members:
