@@ -124,6 +124,40 @@ def test_session_references_follow_sglangs_coverage_rules():
     assert node_at(cache, B, 10).session_ref == 0
 
 
+# --- histate under --enable-session-radix-cache (the plugin's ranking, sglang_plugin/eviction.py) ----
+
+@pytest.mark.parametrize("policy, evicted", [("histate", "A"), ("histate-sessions", "B")])
+def test_histate_with_session_references_ranks_referenced_units_last_on_the_device(policy, evicted):
+    """GPU 30 pages: A[:10] + its state (14 pages, session "a", t=0), B[:10] + state (14, no session, t=1).
+    C[:10] + state needs 14 of the 2 free: one bundle leaves the device (its KV stays on the host, written
+    through). A and B cost the same to recompute per byte, so eq. 7 takes the older, A; with A referenced
+    by its live session, histate-sessions takes B."""
+    cache = make_cache(policy, tiny_config(30, cpu_pages=200, ssd_pages=400))
+    finish(cache, A[:10], 0.0, [10], session="a")
+    finish(cache, B[:10], 1.0, [10])
+    finish(cache, C[:10], 2.0, [10])
+    on_device = {name: bool(node_at(cache, keys, 10).kv_mask & GPU_BIT) for name, keys in (("A", A), ("B", B))}
+    assert on_device == {"A": evicted != "A", "B": evicted != "B"}
+    assert node_at(cache, C, 10).kv_mask & GPU_BIT
+
+
+def test_histate_sessions_leaves_the_ssd_ranking_to_eq7():
+    """SGLang's sessions do not cover the SSD: a referenced unit scores exactly as histate scores it
+    there, and 2^40 s higher on the device and the host."""
+    from histate.core.policies.histate import SESSION_RANK_OFFSET_S
+    from histate.core.types import SSD_BIT
+
+    cache = make_cache("histate-sessions", tiny_config(400, cpu_pages=400, ssd_pages=800))
+    finish(cache, A[:10], 0.0, [10], session="a")
+    node = node_at(cache, A, 10)
+    assert node.session_ref == 1 and node.state_session_ref == 1
+    plain = make_policy("histate")
+    ctx = cache.state.scoring
+    for bit, offset in ((GPU_BIT, SESSION_RANK_OFFSET_S), (CPU_BIT, SESSION_RANK_OFFSET_S), (SSD_BIT, 0.0)):
+        for unit in (UnitKind.BUNDLE, UnitKind.CHECKPOINT):
+            assert cache.policy.score(ctx, node, unit, bit) == plain.score(ctx, node, unit, bit) + offset
+
+
 # --- sglang-tuned: --mamba-max-states-per-path -------------------------------------------------------
 
 def test_path_cap_drops_the_shallowest_device_states_and_keeps_kv_and_host_copies():

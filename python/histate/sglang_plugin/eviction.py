@@ -36,16 +36,12 @@ from typing import Any, Callable, Optional
 
 from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SSD_BIT, DeferredReoffers, PolicyState, Tier, UnitKind,
                           VictimHeap, checkpoint_neighbours, checkpoints_above_removed_leaf, reoffer, units_of)
+from histate.core.policies.histate import SESSION_RANK_OFFSET_S  # the simulator's histate-sessions ranks alike
 
 from .core_nodes import FULL, MAMBA, CoreNode, core_of
 
 _BITS = {Tier.GPU: GPU_BIT, Tier.CPU: CPU_BIT, Tier.SSD: SSD_BIT}
 _COMPACT_FACTOR = 4  # rebuild a heap once stale entries outnumber live nodes this many times
-SESSION_RANK_OFFSET_S = float(2**40)
-"""Added to the eq. 7 score of a session-referenced unit (device and host tiers). Unreferenced scores stay
-far below it: t_last is a clock reading in seconds (~35,000 years of headroom) and tau * C / M is at most
-tau times the tokens of a context; at 2^40 a float still resolves 0.25 ms, so eq. 7 keeps ordering the
-referenced units among themselves."""
 
 
 def session_referenced(sg: Any, unit: UnitKind) -> bool:
