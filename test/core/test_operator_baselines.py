@@ -141,21 +141,27 @@ def test_histate_with_session_references_ranks_referenced_units_last_on_the_devi
     assert node_at(cache, C, 10).kv_mask & GPU_BIT
 
 
-def test_histate_sessions_leaves_the_ssd_ranking_to_eq7():
-    """SGLang's sessions do not cover the SSD: a referenced unit scores exactly as histate scores it
-    there, and 2^40 s higher on the device and the host."""
-    from histate.core.policies.histate import SESSION_RANK_OFFSET_S
+def test_histate_sessions_ranks_a_live_paths_units_last_on_every_tier():
+    """Session "a" finished A[:10] then A[:20] (its leaf moved to 20): A[:10]'s node is on the live path
+    (FULL coverage 1) with no frontier state there (MAMBA 0), yet its checkpoint is referenced as its KV
+    is, on the device, the host and the SSD alike (2^40 s above histate's score); B[:10], no session, is
+    scored exactly as histate scores it. Once "a" closes, both score as histate."""
+    from histate.core import SESSION_RANK_OFFSET_S
     from histate.core.types import SSD_BIT
 
     cache = make_cache("histate-sessions", tiny_config(400, cpu_pages=400, ssd_pages=800))
     finish(cache, A[:10], 0.0, [10], session="a")
-    node = node_at(cache, A, 10)
-    assert node.session_ref == 1 and node.state_session_ref == 1
-    plain = make_policy("histate")
-    ctx = cache.state.scoring
-    for bit, offset in ((GPU_BIT, SESSION_RANK_OFFSET_S), (CPU_BIT, SESSION_RANK_OFFSET_S), (SSD_BIT, 0.0)):
+    finish(cache, A[:20], 1.0, [20], session="a")
+    finish(cache, B[:10], 2.0, [10])
+    interior, other = node_at(cache, A, 10), node_at(cache, B, 10)
+    assert (interior.session_ref, interior.state_session_ref, other.session_ref) == (1, 0, 0)
+    plain, ctx = make_policy("histate"), cache.state.scoring
+    for bit in (GPU_BIT, CPU_BIT, SSD_BIT):
         for unit in (UnitKind.BUNDLE, UnitKind.CHECKPOINT):
-            assert cache.policy.score(ctx, node, unit, bit) == plain.score(ctx, node, unit, bit) + offset
+            assert cache.policy.score(ctx, interior, unit, bit) == plain.score(ctx, interior, unit, bit) + SESSION_RANK_OFFSET_S
+            assert cache.policy.score(ctx, other, unit, bit) == plain.score(ctx, other, unit, bit)
+    cache.close_session("a", 3.0)
+    assert cache.policy.score(ctx, interior, UnitKind.CHECKPOINT, SSD_BIT) == plain.score(ctx, interior, UnitKind.CHECKPOINT, SSD_BIT)
 
 
 # --- sglang-tuned: --mamba-max-states-per-path -------------------------------------------------------

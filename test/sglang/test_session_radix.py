@@ -163,8 +163,9 @@ def test_a_closed_sessions_state_is_ranked_by_its_real_last_use(sglang_plugins, 
 
 
 def _referenced(sg, unit) -> bool:
-    """SGLang's counters: a state through its MAMBA reference, a node's KV through FULL's."""
-    return sg.component_data[MAMBA].session_ref > 0 or (unit is UnitKind.BUNDLE and sg.component_data[FULL].session_ref > 0)
+    """HiState's reading of SGLang's counters: every unit of a node on a live session's path (FULL) or
+    holding its frontier state (MAMBA)."""
+    return sg.component_data[MAMBA].session_ref > 0 or sg.component_data[FULL].session_ref > 0
 
 
 def _lowest(rig, takes) -> tuple:
@@ -180,13 +181,14 @@ def _lowest_state_unit(rig) -> int:
     return _lowest(rig, lambda n, u: u is UnitKind.CHECKPOINT or has_device_state(n))[2]
 
 
-def test_a_state_the_session_moved_past_is_an_ordinary_checkpoint_again(sglang_plugins):
-    """The session's next turn moves its reference from the old frontier state A to the new one (MAMBA's
+def test_a_state_the_session_moved_past_stays_referenced_while_on_its_live_path(sglang_plugins):
+    """The session's next turn moves its frontier reference from the old state A to the new one (MAMBA's
     `_advance_session_coverage`, components/mamba.py:107-115) with no other change at A: the turn repeats
     R = A+X, whose state the tree already holds (no new checkpoint, no new node). Before, a state eviction
-    (R pinned by a running request) re-ranked A's entry past every unreferenced unit and took U. After the
-    turn A is unreferenced and, older than V (inserted later), the lowest eq. 7 unit: the next state
-    eviction must take A, not V."""
+    (R pinned by a running request) took U, not the referenced A. After the turn A holds no frontier
+    reference, but it is still on the session's path (FULL's coverage) and still a resume point inside its
+    context, so HiState keeps ranking it after every unreferenced unit: the next state eviction takes V,
+    newer than A. Once the session closes, A is an ordinary checkpoint, older than R: it goes next."""
     rig = SessionRig("histate")
     a = _seq(1, 32)
     r, u, v = a + _seq(700, 16), _seq(300, 32), _seq(400, 32)
@@ -199,11 +201,19 @@ def test_a_state_the_session_moved_past_is_an_ordinary_checkpoint_again(sglang_p
     assert rig.evict(mamba_num=1).mamba_num_evicted == 1 and rig.matched(u) == 0
     rig.cache.dec_lock_ref(node_r.id, lock.to_dec_params())
     assert rig.turn(v) and rig.turn(r, "s1")
+    node_v = _node_starting(rig, v[0])
     assert node_a.component_data[MAMBA].session_ref == 0 and node_r.component_data[MAMBA].session_ref == 1
+    assert node_a.component_data[FULL].session_ref == 1  # on the path to the session's leaf R
+    rig.check()
+    assert _lowest_state_unit(rig) == node_v.id
+    assert rig.evict(mamba_num=1).mamba_num_evicted == 1
+    assert not has_device_state(node_v) and has_device_state(node_a)
+    rig.cache.release_radix_session("s1")
+    assert node_a.component_data[FULL].session_ref == 0
     rig.check()
     assert _lowest_state_unit(rig) == node_a.id
     assert rig.evict(mamba_num=1).mamba_num_evicted == 1
-    assert not has_device_state(node_a) and (rig.kv_matched(a), rig.matched(v), rig.matched(r)) == (32, 32, 48)
+    assert not has_device_state(node_a) and (rig.kv_matched(a), rig.matched(r)) == (32, 48)
     rig.check()
 
 
@@ -384,6 +394,56 @@ def test_a_session_resume_point_is_homed_to_ssd_only_once_released(sglang_plugin
     assert core_of(middle).ckpt_mask == SSD_BIT
     cache.sanity_check()
     cache.histate.victims.check_offered()
+
+
+def test_the_ssd_ranks_a_live_sessions_path_after_unreferenced_units(sglang_plugins, tmp_path):
+    """SGLang's sessions stop at the host; HiState reads them on its own SSD tier too. P (t=1) and Q (t=2)
+    each leave a historical checkpoint homed to SSD and a terminal one written through. With P's end
+    registered by session "s", the lowest SSD unit is on Q although Q is newer (eq. 7 alone would take P's
+    first); once "s" closes, P's again."""
+    from histate.sglang_plugin.config import resolve_config
+    from histate.sglang_plugin.server_settings import storage_extra_config
+
+    from sglang_cpu.hicache import build_hicache, drain_backups, request
+    from sglang_cpu.pools import PAGE, Driver, ManualClock, build_pools
+
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": "64MiB"}, {})
+    pools = build_pools(64 * PAGE, 8)
+    clock = ManualClock()
+    cache = build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
+                          clock=clock, params_fields={"enable_session_radix_cache": True})
+    driver = Driver(cache, pools)
+    p, q = list(range(500, 500 + 8 * PAGE)), list(range(9000, 9000 + 8 * PAGE))
+    clock.now = 1.0
+    driver.serve(p, [4 * PAGE, 8 * PAGE])
+    p_end = cache.tree_core.node_by_id(driver.match(p).last_device_node)  # a match refreshes: before Q
+    clock.now = 2.0
+    driver.serve(q, [4 * PAGE, 8 * PAGE])
+    turn = request("s-turn", p)
+    turn.session_id, turn.session_generation = "s", cache.ensure_session_generation("s")
+    cache.session_refs.register_session_ref(turn, leaf=p_end.id)
+    drain_backups(cache)
+    cache.check_hicache_events()
+    p_nodes = {id(core_of(sg)) for sg in _path_nodes(cache, p_end)}
+
+    def lowest_on_p() -> bool:
+        (node, _unit), *_ = cache.histate.victims.peek(Tier.SSD, lambda n, u: True, lambda n, u: True)
+        return id(node) in p_nodes
+
+    assert not lowest_on_p()
+    cache.release_radix_session("s")
+    assert lowest_on_p()
+    cache.sanity_check()
+    cache.histate.victims.check_offered()
+
+
+def _path_nodes(cache, sg) -> list:
+    nodes = []
+    while sg is not None and not cache.tree_core.is_root(sg.id):
+        nodes.append(sg)
+        sg = sg.parent
+    return nodes
 
 
 def test_sglang_builds_histate_with_session_references(sglang_plugins):

@@ -8,7 +8,7 @@ from .capture import PassCaptures, captured_positions, floor_cut, split_pass
 from .l3_policy import DEFAULT_PIN_TTL_S, L3Put, L3WriteConfig, plan_l3_writes, restorable_pages
 from .config import (DECODE_TRACK_INTERVAL_TOKENS, DEFAULT_CHUNK_PAGES, DEFAULT_EMA_ALPHA, DEFAULT_FIXED_INTERVAL_PAGES, DEFAULT_INTERVALS_PAGES,
                      DEFAULT_INTERVALS_TOKENS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR,
-                     MIN_STAGING_SLOTS, STATE_GRID_TOKENS, CacheConfig, default_staging_slots)
+                     MIN_STAGING_SLOTS, SESSION_RANK_OFFSET_S, STATE_GRID_TOKENS, CacheConfig, default_staging_slots)
 from .interval import Ema, IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
 from .observer import CacheObserver
 from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
@@ -30,7 +30,7 @@ __all__ = [
     "DEFAULT_RESTORE_COST_TOKENS",
     "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MIN_STAGING_SLOTS", "MatchResult",
-    "PassCaptures", "Policy", "PolicyState", "RequestLease", "ShortPrefillFirst", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
+    "PassCaptures", "Policy", "PolicyState", "RequestLease", "SESSION_RANK_OFFSET_S", "ShortPrefillFirst", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
     "DeferredReoffers", "ScoringContext", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
     "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
     "continuous_optimum_pages", "default_staging_slots", "fastest_tier", "floor_cut", "make_cache", "make_policy", "prefill_work_tokens",

@@ -47,6 +47,13 @@ DEPTH_PRIOR_ALPHA = 0.02
 spreads its mass over many bins, so each needs more hits to be estimated (about the last 50 interior
 hits carry it, against 10 for the eight near-end offsets)."""
 
+SESSION_RANK_OFFSET_S = float(2**40)
+"""Added to the eq. 7 score of a session-referenced unit (`histate-sessions`; the SGLang plugin's
+sglang_plugin/eviction.py ranks with it too). Unreferenced scores stay far below it: t_last is a clock
+reading in seconds (~35,000 years of headroom) and tau * C / M is at most tau times the tokens of a
+context; at 2^40 a float still resolves 0.25 ms, so eq. 7 keeps ordering the referenced units among
+themselves."""
+
 DEFAULT_CHUNK_PAGES = 128
 """Chunked-prefill size in 64-token pages: SGLang's 8192-token default on 80 GB GPUs
 (sglang/srt/arg_groups/memory_hook.py), where SGLang keeps a state per chunk."""

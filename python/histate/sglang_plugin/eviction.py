@@ -21,22 +21,27 @@ unit met locked during a walk (R1) is offered again once unlocked, by constructi
 Session references (`--enable-session-radix-cache`): SGLang's contract for that flag is "eviction
 consumes unreferenced entries before referenced ones" (arg_groups/fields/memory.py:86-89; FULL's leaf
 heap keys `(ref > 0, ref, policy)`, components/full.py:205-207; MAMBA's LRU keeps a referenced partition,
-unified_tree_core.py:230-231, 477-480). On the device and host tiers, where SGLang applies it, a unit a
-live session references ranks after every unreferenced one (`SESSION_RANK_OFFSET_S` added to its eq. 7
-score) and eq. 7 orders the referenced units among themselves. It is an order, never a pin: a referenced
-unit stays on its heap, so `evict(n)` still frees what the ledgers report, and a session nobody closes (a
+unified_tree_core.py:230-231, 477-480). HiState reads the references as what they say: which prefixes a
+live session can still come back to. On every tier, SSD included, a unit on a live session's path (its
+node's FULL reference: the session's KV path, components/full.py:68-107) or holding its frontier state
+(MAMBA's, components/mamba.py:95-125) ranks after every unreferenced one (`SESSION_RANK_OFFSET_S` added
+to its eq. 7 score), and eq. 7 orders the referenced units among themselves. So a checkpoint inside a
+live session's context is referenced like its KV, which the state needs to be a resume point at all;
+ranking only the KV and the frontier state last (SGLang's own reading), or only on device and host,
+measured worse (docs/results.md, "Session references"). It is an order, never a pin: a referenced unit
+stays on its heap, so `evict(n)` still frees what the ledgers report, and a session nobody closes (a
 session opened with a timeout is closed by SGLang's reaper, session/session_controller.py:482-487) delays
-its units' eviction but never blocks it. When a
-reference goes the node is re-offered (components.py), since its score drops below the key its entry
-may carry. The SSD tier has no session notion in SGLang and is ranked by eq. 7 alone.
+its units' eviction but never blocks it. When a reference goes the node is re-offered (components.py),
+since its score drops below the key its entry may carry. SSD objects whose node SGLang deleted
+(orphans.py) belong to no live path.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SSD_BIT, DeferredReoffers, PolicyState, Tier, UnitKind,
-                          VictimHeap, checkpoint_neighbours, checkpoints_above_removed_leaf, reoffer, units_of)
-from histate.core.policies.histate import SESSION_RANK_OFFSET_S  # the simulator's histate-sessions ranks alike
+from histate.core import (ALL_TIERS, CPU_BIT, GPU_BIT, SESSION_RANK_OFFSET_S, SSD_BIT, DeferredReoffers, PolicyState,
+                          Tier, UnitKind, VictimHeap, checkpoint_neighbours, checkpoints_above_removed_leaf, reoffer,
+                          units_of)
 
 from .core_nodes import FULL, MAMBA, CoreNode, core_of
 
@@ -44,13 +49,10 @@ _BITS = {Tier.GPU: GPU_BIT, Tier.CPU: CPU_BIT, Tier.SSD: SSD_BIT}
 _COMPACT_FACTOR = 4  # rebuild a heap once stale entries outnumber live nodes this many times
 
 
-def session_referenced(sg: Any, unit: UnitKind) -> bool:
-    """Whether a live session references `unit` of `sg` (SGLang's `session_ref` counters): a checkpoint
-    through its MAMBA reference (a session's frontier state, components/mamba.py:95-125), a bundle also
-    through FULL's (the KV of every node on a session's path, components/full.py:68-107)."""
-    if sg.component_data[MAMBA].session_ref > 0:
-        return True
-    return unit is UnitKind.BUNDLE and sg.component_data[FULL].session_ref > 0
+def session_referenced(sg: Any) -> bool:
+    """Whether `sg` lies on a live session's path (SGLang's FULL `session_ref`) or holds a session's
+    frontier state (MAMBA's): every unit of it then ranks after the unreferenced ones (module docstring)."""
+    return sg.component_data[FULL].session_ref > 0 or sg.component_data[MAMBA].session_ref > 0
 
 
 def _locked(sg: Any) -> bool:
@@ -158,7 +160,7 @@ class TierVictims:
         if unit not in tier_units(node, self.tree_core, tier):
             return None  # locked, or reclassified without a notification: parked until on_change
         score = self.state.score(node, unit, _BITS[tier])
-        if tier is not Tier.SSD and self.tree_core.enable_session_radix_cache and session_referenced(node.sg, unit):
+        if self.tree_core.enable_session_radix_cache and session_referenced(node.sg):
             score += SESSION_RANK_OFFSET_S
         return score
 

@@ -9,8 +9,8 @@ histate-paper      the paper's rules exactly: uniform interior prior, C = recomp
 histate-align      admission replaced by vLLM's align rule (terminal state only)
 histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
-histate-sessions   what-if: the server under SGLang's --enable-session-radix-cache (referenced units last on
-                   device and host, as sglang_plugin/eviction.py ranks them)
+histate-sessions   the server under SGLang's --enable-session-radix-cache: units on a live session's path last,
+                   on every tier (as sglang_plugin/eviction.py ranks them)
 histate-exclusive  simulator only: exclusive tiers (KV demoted GPU -> CPU -> SSD on eviction, one copy at a
                    time), the tiering the SGLang plugin does not have (docs/policies.md "Tiering")
 
@@ -31,7 +31,8 @@ from __future__ import annotations
 from . import register_policy
 from .base import AdmissionContext, Policy, branch_point, fixed_grid, last_decode_state, terminal_only
 from ..scoring import ScoringContext
-from ..types import SSD_BIT, Tier, UnitKind
+from ..config import SESSION_RANK_OFFSET_S
+from ..types import Tier, UnitKind
 from ..units import expected_cost_tokens, last_access_s, reclaim_tokens
 
 
@@ -126,31 +127,24 @@ class HiStateWriteBack(HiState):
     kv_write_through_tiers = ()
 
 
-SESSION_RANK_OFFSET_S = float(2**40)
-"""Added to the eq. 7 score of a session-referenced unit (device and host tiers; the SGLang plugin's
-sglang_plugin/eviction.py ranks with it too). Unreferenced scores stay far below it: t_last is a clock
-reading in seconds (~35,000 years of headroom) and tau * C / M is at most tau times the tokens of a
-context; at 2^40 a float still resolves 0.25 ms, so eq. 7 keeps ordering the referenced units among
-themselves."""
 
 
 @register_policy
 class HiStateSessions(HiState):
     """What the SGLang plugin does under `--enable-histate --enable-session-radix-cache`
-    (sglang_plugin/eviction.py `_rank`): on the device and host tiers a unit a live session references
-    ranks after every unreferenced one (SGLang's contract for the flag, arg_groups/fields/memory.py:86-89),
-    eq. 7 ordering each class; the SSD tier, which SGLang's sessions do not cover, by eq. 7 alone. A
-    checkpoint is referenced through the session's state leaf, a bundle also through the KV path
-    (core/sessions.py keeps SGLang's counts). Not modelled: the plugin keeps a referenced state off the
-    SSD-only home while referenced (such a state is a terminal one here, which stays on the device
-    anyway). A what-if of a user flag, measured in docs/results.md; `histate` is the server without it."""
+    (sglang_plugin/eviction.py, `session_referenced` and `_rank`): on every tier, a unit on a live
+    session's path (SGLang's FULL coverage: the KV of each node from the root to the session's leaf) or
+    holding its frontier state (MAMBA's reference) ranks after every unreferenced one, eq. 7 ordering each
+    class; core/sessions.py keeps SGLang's counts. A checkpoint inside a live session's context is thus
+    referenced like its KV. Sessions are the replay's (a subagent is its own session), closed when their
+    last request completes: the signal is as good as the client's session bookkeeping. Not modelled: the
+    plugin keeps a referenced frontier state off the SSD-only home while referenced (such a state is a
+    terminal one here, which stays on the device anyway). A user flag's what-if, measured in
+    docs/results.md ("Session references"); `histate` is the server without the flag."""
 
     name = "histate-sessions"
     session_refs = True
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
         score = super().score(ctx, node, unit, bit)
-        if bit == SSD_BIT:
-            return score
-        referenced = node.state_session_ref > 0 or (unit is UnitKind.BUNDLE and node.session_ref > 0)
-        return score + SESSION_RANK_OFFSET_S if referenced else score
+        return score + SESSION_RANK_OFFSET_S if node.session_ref > 0 or node.state_session_ref > 0 else score
