@@ -28,7 +28,7 @@ node's FULL reference: the session's KV path, components/full.py:68-107) or hold
 to its eq. 7 score), and eq. 7 orders the referenced units among themselves. So a checkpoint inside a
 live session's context is referenced like its KV, which the state needs to be a resume point at all;
 ranking only the KV and the frontier state last (SGLang's own reading), or only on device and host,
-measured worse (docs/results.md, "Session references"). It is an order, never a pin: a referenced unit
+measured worse (docs/results.md, "Session references with HiState"). It is an order, never a pin: a referenced unit
 stays on its heap, so `evict(n)` still frees what the ledgers report, and a session nobody closes (a
 session opened with a timeout is closed by SGLang's reaper, session/session_controller.py:482-487) delays
 its units' eviction but never blocks it. When a reference goes the node is re-offered (components.py),

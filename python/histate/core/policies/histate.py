@@ -127,8 +127,6 @@ class HiStateWriteBack(HiState):
     kv_write_through_tiers = ()
 
 
-
-
 @register_policy
 class HiStateSessions(HiState):
     """What the SGLang plugin does under `--enable-histate --enable-session-radix-cache`
@@ -140,7 +138,7 @@ class HiStateSessions(HiState):
     last request completes: the signal is as good as the client's session bookkeeping. Not modelled: the
     plugin keeps a referenced frontier state off the SSD-only home while referenced (such a state is a
     terminal one here, which stays on the device anyway). A user flag's what-if, measured in
-    docs/results.md ("Session references"); `histate` is the server without the flag."""
+    docs/results.md ("Session references with HiState"); `histate` is the server without the flag."""
 
     name = "histate-sessions"
     session_refs = True
