@@ -174,17 +174,20 @@ class GdnRig:
             self.backend.forward_extend(_layer(layer_id, module), forward_batch, mixed_qkv, a, b)
         return batch
 
-    def working_state(self, req: Any) -> tuple:
-        """(conv, ssm) of the request's own running state slot, in `tree_state`'s layout."""
-        slot = int(req.kv.mamba_pool_idx)
+    # --- reading states back -----------------------------------------------------------------------------
+
+    def slot_state(self, slot: int) -> tuple:
+        """(conv [layers, dim, K-1], ssm [layers, H, V, K]) held in mamba slot `slot`."""
         cache = self.pools.mamba_pool.mamba_cache
         return cache.conv[0][:, slot].clone(), cache.temporal[:, slot].clone()
 
-    # --- reading states back -----------------------------------------------------------------------------
+    def working_state(self, req: Any) -> tuple:
+        """The request's own running state slot, in `tree_state`'s layout."""
+        return self.slot_state(int(req.kv.mamba_pool_idx))
 
     def tree_state(self, tokens: Sequence[int], position: int) -> tuple:
-        """(conv [layers, dim, K-1], ssm [layers, H, V, K]) of the device state the tree holds at the end
-        of `tokens[:position]`, or None if no node ends there with one."""
+        """`slot_state` of the device state the tree holds at the end of `tokens[:position]`, or None if
+        no node ends there with one."""
         node = self.cache.tree_core.root_node
         depth = 0
         while depth < position:
@@ -196,9 +199,7 @@ class GdnRig:
         value = node.component_data[2].value
         if depth != position or value is None:
             return None
-        slot = int(value[0])
-        cache = self.pools.mamba_pool.mamba_cache
-        return cache.conv[0][:, slot].clone(), cache.temporal[:, slot].clone()
+        return self.slot_state(int(value[0]))
 
     def cold_layer_state(self, rid: str, position: int) -> tuple:
         """Every GDN layer prefilled from nothing over tokens [0, position) of `rid`'s inputs."""

@@ -162,7 +162,7 @@ def test_a_closed_sessions_state_is_ranked_by_its_real_last_use(sglang_plugins, 
     rig.check()
 
 
-def _referenced(sg, unit) -> bool:
+def _referenced(sg) -> bool:
     """HiState's reading of SGLang's counters: every unit of a node on a live session's path (FULL) or
     holding its frontier state (MAMBA)."""
     return sg.component_data[MAMBA].session_ref > 0 or sg.component_data[FULL].session_ref > 0
@@ -172,7 +172,7 @@ def _lowest(rig, takes) -> tuple:
     """Brute force over the device units a walk `takes` (node, unit): unreferenced before referenced, then
     the lowest eq. 7 score. (referenced, score, node id)."""
     state, core = rig.cache.histate.state, rig.cache.tree_core
-    return min((_referenced(n, u), state.score(core_of(n), u, GPU_BIT), n.id)
+    return min((_referenced(n), state.score(core_of(n), u, GPU_BIT), n.id)
                for n in core._node_arena.values() for u in tier_units(core_of(n), core, Tier.GPU) if takes(n, u))
 
 
@@ -355,7 +355,7 @@ def _lowest_host(cache, takes) -> int:
     from histate.core import CPU_BIT
 
     state, core = cache.histate.state, cache.tree_core
-    return min((_referenced(n, u), state.score(core_of(n), u, CPU_BIT), n.id)
+    return min((_referenced(n), state.score(core_of(n), u, CPU_BIT), n.id)
                for n in core._node_arena.values() for u in tier_units(core_of(n), core, Tier.CPU) if takes(n, u))[2]
 
 
