@@ -162,7 +162,8 @@ class GdnRig:
             running.prepare_for_decode()
             batch.mix_with_running(running)
             batch.decoding_reqs = running.reqs
-        forward_batch = ForwardBatch.init_new(batch, self.model_runner, return_hidden_states_before_norm=False)
+        forward_batch = runner_copy(ForwardBatch.init_new(batch, self.model_runner,
+                                                          return_hidden_states_before_norm=False))
         ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(self.model_runner, forward_batch)
         self.backend.init_forward_metadata(forward_batch)
         # Each row's tokens as the batch lists them (a decode row's prefix is its sequence less one token).
@@ -233,6 +234,20 @@ def _layer(layer_id: int, module: Any) -> Any:
         v_dim=module.value_dim, num_q_heads=module.num_k_heads, num_k_heads=module.num_k_heads,
         num_v_heads=module.num_v_heads, head_q_dim=module.head_k_dim, head_k_dim=module.head_k_dim,
         head_v_dim=module.head_v_dim)
+
+
+def runner_copy(forward_batch: Any) -> Any:
+    """The batch the model runs on, as SGLang's eager runner makes it: `EagerRunner.load_batch`
+    returns a `dataclasses.replace` of the scheduler's ForwardBatch (model_executor/runner/
+    eager_runner.py:180-208; the no-copy branch, which keeps the rig's tensors, is lines 186-187).
+    Anything the backend needs must survive that copy: the R0 wrong answers of issue 27 were captures
+    riding on an undeclared attribute that this copy drops, which a rig feeding `init_new`'s result
+    straight to the backend never saw."""
+    from sglang.srt.environ import envs
+    from sglang.srt.model_executor.runner.eager_runner import EagerRunner
+
+    with envs.SGLANG_EAGER_INPUT_NO_COPY.override(True):
+        return EagerRunner.load_batch(None, forward_batch)
 
 
 def install_hooks() -> None:

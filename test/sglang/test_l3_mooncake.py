@@ -180,7 +180,7 @@ def test_stock_mooncake_reads_what_histate_wrote_byte_exact(mooncake, monkeypatc
     for i in range(3):
         assert pb.page_bytes(idx_b, i) == pa.page_bytes(idx_a, i)
     assert pb.state_bytes(slots_b, 0) == pa.state_bytes(slots_a, 0)
-    stats = a.get_stats()
+    stats = a.histate_stats()
     assert stats["l3_written_bytes"] > 0 and stats["l3_errors"] == 0
     a.close()
 
@@ -209,7 +209,7 @@ def test_histate_restores_what_stock_mooncake_wrote_byte_exact(mooncake, monkeyp
     for i in range(3):
         assert pa.page_bytes(idx_a, i) == pb.page_bytes(idx_b, i)
     assert pa.state_bytes(slots_a, 0) == pb.state_bytes(slots_b, 0)
-    stats = a.get_stats()
+    stats = a.histate_stats()
     assert (stats["l3_hits"], stats["l3_misses"]) == (4, 1)
     page_bytes = len(pa.page_bytes(idx_a, 0))
     assert stats["l3_read_bytes"] == 3 * page_bytes + len(pa.state_bytes(slots_a, 0))
@@ -325,7 +325,7 @@ def test_a_killed_store_service_is_a_miss_and_ssd_still_serves_then_writes_resum
     dest_b = pb.kv.alloc(2 * pb.page)
     assert b.batch_get_v1(fresh, dest_b) == [True, True]
     assert [pb.page_bytes(dest_b, i) for i in range(2)] == [pa.page_bytes(idx_new, i) for i in range(2)]
-    assert a.l3.down_events >= 1 and a.get_stats()["l3_errors"] == 0
+    assert a.l3.down_events >= 1 and a.histate_stats()["l3_errors"] == 0
     a.close()
 
 
@@ -359,7 +359,7 @@ def test_sglang_backs_up_to_l3_and_a_fresh_server_restores_from_it(mooncake, mon
     Driver(cache_a, pools_a).serve(tokens, [4 * PAGE, 8 * PAGE])
     drain_backups(cache_a)
     backend_a = cache_a.histate.ssd_tier.backend
-    stats_a = backend_a.get_stats()
+    stats_a = backend_a.histate_stats()
     assert stats_a["l3_written_bytes"] > 0 and stats_a["l3_errors"] == 0
 
     pools_c = build_pools(1024, 8)
@@ -367,7 +367,7 @@ def test_sglang_backs_up_to_l3_and_a_fresh_server_restores_from_it(mooncake, mon
     backend_c = cache_c.histate.ssd_tier.backend
     assert not list(backend_c.store.keys())  # C's SSD is empty
     reused = TieredDriver(cache_c, pools_c).admit(tokens + [1])  # a new token after the 8 cached pages
-    stats_c = backend_c.get_stats()
+    stats_c = backend_c.histate_stats()
     assert (stats_c["l3_hits"], stats_c["l3_misses"], stats_c["l3_errors"]) == (9, 0, 0)  # 8 KV pages + the state
     assert reused == 8 * PAGE
     cache_c.sanity_check()

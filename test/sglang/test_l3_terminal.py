@@ -104,7 +104,7 @@ def test_l3_gets_the_terminal_bundle_and_a_fresh_server_restores_it(mooncake, mo
     assert [l3.state(h) for h in hashes] == [False] * 7 + [True]
     assert backend_a.l3_admits_state == cache_a.histate.ssd_tier.l3_admits_state  # the tree cache's hook
     assert not cache_a.histate.ssd_tier.l3_terminal  # the marks go with the acknowledgements
-    stats_a = backend_a.get_stats()
+    stats_a = backend_a.histate_stats()
     assert stats_a["l3_errors"] == 0 and stats_a["l3_write_failures"] == 0
 
     # Server C, empty SSD: over L3 the only resume point is the terminal one (8 pages).
@@ -116,7 +116,7 @@ def test_l3_gets_the_terminal_bundle_and_a_fresh_server_restores_it(mooncake, mo
     assert (result.kv_hit_pages, result.restorable_prefix_pages) == (8, [8])
     reused = TieredDriver(cache_c, pools_c).admit(tokens + [1])
     assert reused == 8 * PAGE
-    stats_c = backend_c.get_stats()
+    stats_c = backend_c.histate_stats()
     assert (stats_c["l3_hits"], stats_c["l3_misses"], stats_c["l3_errors"]) == (9, 0, 0)  # 8 KV pages + the state
     cache_c.sanity_check()
     cache_c.histate.victims.check_offered()

@@ -26,7 +26,7 @@ inserting it (`release_captures`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from histate.core import split_pass
@@ -35,15 +35,27 @@ from .hooks import install_once
 
 _SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
-_CAPTURES = "_histate_captures"  # ScheduleBatch / ForwardBatch attribute: [(row, relative position, slot)]
+_CAPTURES = "_histate_captures"  # ScheduleBatch attribute: [(row, relative position, Capture)] of the pass
+CARRIER_FIELD = "histate_captures"  # the same list on the ForwardBatch (a declared field: `carrier_class`)
 
 
 @dataclass
 class Capture:
-    """A planned checkpoint a pass is capturing for a request, in a slot the request holds."""
+    """A planned checkpoint a pass is capturing for a request, in a slot the request holds.
+
+    The forward records which recurrent layers wrote the slot (`capture_forward.py`); the cache
+    inserts the slot only if every layer wrote both its conv window and its SSM state (`filled`).
+    A slot the forward did not fill holds whatever an earlier state left there, and serving it would
+    be a wrong answer, so an unfilled capture is freed and counted, never inserted."""
 
     position: int  # tokens from the start of the sequence (the state after them)
     slot: Any  # 1-D int tensor holding one mamba slot id (what the tree stores as a MAMBA value)
+    conv_layers: set = field(default_factory=set)  # layer ids whose conv window the forward wrote
+    ssm_layers: set = field(default_factory=set)  # layer ids whose SSM state the forward wrote
+
+    def filled(self, layer_ids: Any) -> bool:
+        expected = set(layer_ids)
+        return bool(expected) and self.conv_layers == expected and self.ssm_layers == expected
 
 
 def histate_cache(tree_cache: Any) -> Optional[Any]:
@@ -117,17 +129,51 @@ def track_entry_around(original: Any, batch: Any, req: Any) -> Any:
         if slot is None:
             metrics.record_captures("no_slot", 1)
             continue
-        pending(req).append(Capture(position, slot))
-        captures.append((row, position - req.prefix_len, slot))
+        capture = Capture(position, slot)
+        pending(req).append(capture)
+        captures.append((row, position - req.prefix_len, capture))
         metrics.record_captures("extra", 1)
     return entry
 
 
+_carriers: dict = {}
+
+
+def carrier_class(base: type) -> type:
+    """`base` (SGLang's ForwardBatch dataclass) with one more declared field, `histate_captures`.
+
+    The model runner does not run the ForwardBatch the scheduler built: its eager runner copies the
+    batch into static buffers and runs `dataclasses.replace` of it (model_executor/runner/
+    eager_runner.py:180-208, cuda_graph_buffer_registry.py:540-573), and `replace` carries declared
+    fields only. An attribute set on the instance is dropped there, and the backend then captures
+    nothing into slots the scheduler inserts (the wrong answers of issue 27, R0). A declared field
+    rides through `replace` like SGLang's own; `Capture.filled` catches any path that still drops it."""
+    import dataclasses
+
+    if getattr(base, "_histate_carrier", False):
+        return base
+    carrier = _carriers.get(base)
+    if carrier is None:
+        carrier = dataclasses.make_dataclass(
+            "HiStateForwardBatch", [(CARRIER_FIELD, Optional[list], dataclasses.field(default=None))],
+            bases=(base,), namespace={"__doc__": "SGLang's ForwardBatch carrying HiState's in-pass captures.",
+                                 "_histate_carrier": True})
+        carrier.__module__ = __name__
+        _carriers[base] = carrier
+    return carrier
+
+
 def forward_batch_init_after(result: Any, cls: Any, *args: Any, **kwargs: Any) -> Any:
-    """Carry the batch's capture list onto the ForwardBatch the backend sees (`init_new` is a
-    classmethod: the hook sees `cls`, then SGLang's arguments, the ScheduleBatch first)."""
+    """Move the batch's capture list onto the ForwardBatch the backend sees (`init_new` is a
+    classmethod: the hook sees `cls`, then SGLang's arguments, the ScheduleBatch first). The list is
+    taken, not copied: it belongs to this one extend pass, and a later forward of the same
+    ScheduleBatch (a decode) must not carry it."""
     batch = kwargs["batch"] if "batch" in kwargs else args[0]
-    setattr(result, _CAPTURES, getattr(batch, _CAPTURES, None) or None)
+    captures = getattr(batch, _CAPTURES, None)
+    if captures:
+        setattr(batch, _CAPTURES, None)
+        result.__class__ = carrier_class(type(result))
+        setattr(result, CARRIER_FIELD, captures)
     return result
 
 

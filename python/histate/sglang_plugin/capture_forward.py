@@ -16,7 +16,9 @@ way it fills SGLang's own track slot (hybrid_linear_attn_backend.py:413-530, 101
     when SGLang's own rows did not.
 
 The indices are built once per forward, in `init_forward_metadata` (AFTER hook), from CPU lists the
-scheduler already has. A kernel whose `h` does not have the rows the layout promises is an error, never
+scheduler already has; the list reaches the backend on the ForwardBatch's declared field
+(`capture.carrier_class`). Each copy tells its `Capture` which layer wrote it, and the cache inserts
+only captures every recurrent layer wrote (`Capture.filled`). A kernel whose `h` does not have the rows the layout promises is an error, never
 a silent wrong state: the pass is refused with a RuntimeError before any slot is written.
 """
 from __future__ import annotations
@@ -29,7 +31,6 @@ from .hooks import install_once
 
 _GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
 _MAMBA_BASE = "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase"
-_CAPTURES = "_histate_captures"
 
 TRITON, FLASHINFER = "triton", "flashinfer"
 
@@ -48,7 +49,7 @@ def h_index(layout: str, offsets: Sequence[int], row: int, relative: int, chunk:
     return offsets[row] + relative // chunk - (1 if layout == FLASHINFER else 0)
 
 
-@dataclass(frozen=True)
+@dataclass
 class CaptureIndices:
     """One forward's extra captures as index tensors on the backend's device."""
 
@@ -56,6 +57,8 @@ class CaptureIndices:
     dst: Any  # [n] physical mamba slots
     conv_src: Any  # [n, kernel - 1] token rows of mixed_qkv
     num_h_rows: int  # rows h must have for this batch under the layout
+    captures: tuple = ()  # the capture.Capture records, told which layers wrote them
+    layer_id: Optional[int] = None  # the layer between its conv copy and its SSM copy (one forward_extend)
 
 
 def build_indices(captures: Sequence[tuple], extend_lens: Sequence[int], chunk: int, conv_len: int, layout: str,
@@ -67,17 +70,18 @@ def build_indices(captures: Sequence[tuple], extend_lens: Sequence[int], chunk: 
     offsets = list(accumulate(rows_per_seq, initial=0))
     starts = list(accumulate(extend_lens, initial=0))
     h_src, conv_src, slots = [], [], []
-    for row, relative, slot in captures:
+    for row, relative, capture in captures:
         if relative % chunk or not 0 < relative < extend_lens[row]:
             raise RuntimeError(f"HiState capture at {relative} tokens into a pass of {extend_lens[row]} "
                                f"tokens is not an interior boundary of its {chunk}-token chunks")
         h_src.append(h_index(layout, offsets, row, relative, chunk))
         end = starts[row] + relative
         conv_src.append(list(range(end - conv_len, end)))
-        slots.append(slot.view(-1))
+        slots.append(capture.slot.view(-1))
     dst = translate(torch.cat(slots).to(device=device, dtype=torch.int64))
     return CaptureIndices(torch.tensor(h_src, dtype=torch.int64, device=device), dst,
-                          torch.tensor(conv_src, dtype=torch.int64, device=device), offsets[-1])
+                          torch.tensor(conv_src, dtype=torch.int64, device=device), offsets[-1],
+                          tuple(capture for _, _, capture in captures))
 
 
 def h_layout(backend: Any) -> str:
@@ -117,8 +121,10 @@ def check_extend_kernel(result: Any, backend: Any, *args: Any, **kwargs: Any) ->
 def init_forward_metadata_after(result: Any, backend: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+    from .capture import CARRIER_FIELD
+
     metadata = backend.forward_metadata
-    captures = getattr(forward_batch, _CAPTURES, None)
+    captures = getattr(forward_batch, CARRIER_FIELD, None)
     metadata._hs_capture = None
     if not captures or backend.is_draft_worker:  # a draft model's pool is not the one the slots belong to
         return result
@@ -145,6 +151,9 @@ def convolve_prefill_around(original: Any, backend: Any, layer: Any, forward_bat
     if indices is not None:
         conv = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id).conv[0]
         conv[indices.dst] = mixed_qkv[indices.conv_src].transpose(1, 2).to(conv.dtype)
+        for capture in indices.captures:
+            capture.conv_layers.add(layer.layer_id)
+        indices.layer_id = layer.layer_id
     return original(backend, layer, forward_batch, mixed_qkv, *args, **kwargs)
 
 
@@ -160,6 +169,10 @@ def track_extend_around(original: Any, backend: Any, forward_batch: Any, h: Any,
                 f"not the {indices.num_h_rows} its layout has; refusing to capture (a wrong state is worse "
                 f"than a failed pass)")
         ssm_states[indices.dst] = rows[indices.h_src].to(ssm_states.dtype, copy=False)
+        if indices.layer_id is not None:  # the layer whose conv window this forward_extend copied
+            for capture in indices.captures:
+                capture.ssm_layers.add(indices.layer_id)
+        indices.layer_id = None
     return result
 
 

@@ -21,7 +21,8 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
                                                 --histate-short-prefill-first: capped (short ones went first)
                                                 | aged (ran uncapped: it had yielded max-yields passes in a row)
   sglang:histate_captures_total{result}         planned checkpoints of prefill passes: tracked | extra |
-                                                off_grid | no_slot (the last two dropped)
+                                                off_grid | no_slot | unfilled (the last three dropped;
+                                                unfilled: the forward did not write every layer)
   sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
   sglang:histate_kv_demoted_tokens_total        host KV written to SSD ahead of its eviction (victim tier)
   sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
@@ -89,7 +90,8 @@ class HiStateMetrics:
                 "'capped' (waiting short prefills went first), 'aged' (ran uncapped after max-yields capped "
                 "passes in a row).", ("result",))
         counter("captures_total", "Planned checkpoints of prefill passes: 'tracked' (SGLang's track slot), "
-                "'extra' (a slot of their own, same pass), 'off_grid' / 'no_slot' (dropped).", ("result",))
+                "'extra' (a slot of their own, same pass), 'off_grid' / 'no_slot' / 'unfilled' (dropped; 'unfilled': "
+                "the forward did not write the slot in every recurrent layer).", ("result",))
         counter("checkpoints_homed_total", "Device or host copies of historical checkpoints dropped once "
                 "their SSD copy was acknowledged (asymmetric tiering).")
         counter("kv_demoted_tokens_total", "Host KV tokens written to the SSD ahead of their eviction (the SSD "

@@ -47,11 +47,14 @@ the registered host pool zero-copy; the generic `batch_get` / `batch_set` stay S
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
-from typing import Any, Callable, List, Optional
+import threading
+import time
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
@@ -144,6 +147,56 @@ def open_store(section: dict, on_evict: Optional[Callable[[Any], None]] = None, 
     raise HiStateConfigError(f"--histate-ssd-dir: all {MAX_REPLICA_SLOTS} slots of {namespace} are in use")
 
 
+class IoWindow:
+    """What SGLang's storage metrics read (`get_stats`, unified_radix_cache.py:3704-3710): pages and
+    GB/s of every prefetch (read) and backup (write) operation since the last call, as SGLang's own
+    backends keep them (mooncake_store.py:1405-1409, 1676-1686). Bytes are counted per thread, so a
+    restore on another thread does not inflate a prefetch's bandwidth."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._ops: dict = {"prefetch": ([], []), "backup": ([], [])}  # kind -> (pages, GB/s)
+
+    def add_bytes(self, num_bytes: int) -> None:
+        self._local.num_bytes = getattr(self._local, "num_bytes", 0) + num_bytes
+
+    @contextlib.contextmanager
+    def operation(self, kind: str, pages_done: Callable[[], int]) -> Iterator[None]:
+        before, started = getattr(self._local, "num_bytes", 0), time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = max(time.perf_counter() - started, 1e-9)
+            num_bytes = getattr(self._local, "num_bytes", 0) - before
+            num_pages = pages_done()
+            if num_pages:
+                with self._lock:
+                    pages, bandwidth = self._ops[kind]
+                    pages.append(num_pages)
+                    bandwidth.append(num_bytes / seconds / 1e9)
+
+    def drain(self) -> Any:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._lock:
+            (prefetch_pgs, prefetch_bw), (backup_pgs, backup_bw) = self._ops["prefetch"], self._ops["backup"]
+            metrics.prefetch_pgs.extend(prefetch_pgs)
+            metrics.prefetch_bandwidth.extend(prefetch_bw)
+            metrics.backup_pgs.extend(backup_pgs)
+            metrics.backup_bandwidth.extend(backup_bw)
+            self._ops = {"prefetch": ([], []), "backup": ([], [])}
+        return metrics
+
+
+def _num_true(flags: Any) -> int:
+    """Pages an operation moved: its per-key flags (per pool for the v2 path)."""
+    if isinstance(flags, dict):
+        return sum(_num_true(v) for v in flags.values())
+    return sum(1 for flag in flags if flag is True)
+
+
 class HiStateStorageBackend(HiCacheStorage):
     """SGLang `HiCacheStorage` over `histate.storage.CheckpointStore` (see module docstring)."""
 
@@ -171,6 +224,7 @@ class HiStateStorageBackend(HiCacheStorage):
             num_ranks=storage_config.tp_size * storage_config.pp_size, on_capacity_needed=self._on_capacity_needed)
         self.registered_pools: dict = {}
         self.mem_pool_host: Any = None
+        self.io_window = IoWindow()
         self.l3: Any = l3
         if self.l3 is None and (section or {}).get("l3", "off") == "mooncake":
             from .l3_tier import L3Tier
@@ -202,6 +256,7 @@ class HiStateStorageBackend(HiCacheStorage):
             self.num_states -= 1
 
     def _count_io(self, *, read_bytes: int = 0, written_bytes: int = 0) -> None:
+        self.io_window.add_bytes(read_bytes + written_bytes)
         if self.metrics is not None:
             self.metrics.record_ssd_io(read_bytes=read_bytes, written_bytes=written_bytes)
 
@@ -245,6 +300,12 @@ class HiStateStorageBackend(HiCacheStorage):
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        values: list = []
+        with self.io_window.operation("prefetch", lambda: sum(v is not None for v in values)):
+            values = self._batch_get(keys, target_locations)
+        return values
+
+    def _batch_get(self, keys: List[str], target_locations: Any = None) -> list:
         outs = list(target_locations) if target_locations is not None else [None] * len(keys)
         store_keys = [self.store_key(KV_POOL, k) for k in keys]
         present = [self.store.payload_bytes(k) for k in store_keys]
@@ -271,6 +332,12 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
+        stored = False
+        with self.io_window.operation("backup", lambda: len(keys) if stored else 0):
+            stored = self._batch_set(keys, values)
+        return stored
+
+    def _batch_set(self, keys: List[str], values: Any) -> bool:
         """Store the pages not stored yet that the SSD tier admits; a page it does not admit is
         reported written (it stays on the host alone, which SGLang's write-through cannot express)."""
         admits = self.admits_kv
@@ -315,13 +382,19 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        loaded: list = []
+        with self.io_window.operation("prefetch", lambda: _num_true(loaded)):
+            loaded = self._batch_get_v1(keys, host_indices)
+        return loaded
+
+    def _batch_get_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         pool = self.mem_pool_host
         if pool is None or not keys:
             return [False] * len(keys)
         page = pool.page_size
         loaded = [False] * len(keys)
         try:
-            values = self.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+            values = self._batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
             for i, value in enumerate(values):
                 if value is not None:
                     pool.set_from_flat_data_page(int(host_indices[i * page]), value)
@@ -337,12 +410,18 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        stored: list = []
+        with self.io_window.operation("backup", lambda: _num_true(stored)):
+            stored = self._batch_set_v1(keys, host_indices)
+        return stored
+
+    def _batch_set_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         pool = self.mem_pool_host
         if pool is None or not keys:
             return [False] * len(keys)
         page = pool.page_size
         data = [pool.get_data_page(int(host_indices[i * page])) for i in range(len(keys))]
-        stored = self.batch_set(keys, data)
+        stored = self._batch_set(keys, data)
         if self.l3 is not None:
             todo = self._l3_kv_to_write(keys)
             if todo:
@@ -410,7 +489,10 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return self._per_pool(transfers, self._get_pool)
+        results: dict = {}
+        with self.io_window.operation("prefetch", lambda: _num_true(results)):
+            results = self._per_pool(transfers, self._get_pool)
+        return results
 
     def _get_pool(self, transfer: PoolTransfer, host_pool, page_size: int, keys) -> list:
         loaded = [self.read_state(key, host_pool, int(transfer.host_indices[i * page_size]), pool=transfer.name)
@@ -426,7 +508,10 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return self._per_pool(transfers, self._set_pool)
+        results: dict = {}
+        with self.io_window.operation("backup", lambda: _num_true(results)):
+            results = self._per_pool(transfers, self._set_pool)
+        return results
 
     def _set_pool(self, transfer: PoolTransfer, host_pool, page_size: int, keys) -> list:
         items, flags = [], []
@@ -470,7 +555,13 @@ class HiStateStorageBackend(HiCacheStorage):
         self.store.delete_many([key for key in self.store.keys() if key.endswith(self.key_suffix)])
         return True
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> Any:
+        """SGLang's contract (`HiCacheStorage.get_stats`): a `StorageMetrics` of the operations since
+        the last call. HiState's own counters are `histate_stats()`."""
+        return self.io_window.drain()
+
+    def histate_stats(self) -> dict:
+        """The store's and L3's counters (bytes, objects, faults), for tests and benchmarks."""
         stats = self.store.stats_snapshot()
         if self.l3 is not None:
             stats.update(self.l3.stats.snapshot())

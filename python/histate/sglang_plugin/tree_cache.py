@@ -309,6 +309,13 @@ class HiStateRadixCache(UnifiedRadixCache):
             if capture.position <= req.kv.cache_protected_len:  # already in the tree below this request
                 self.req_to_token_pool.mamba_allocator.free(capture.slot)
                 continue
+            if not capture.filled(self.req_to_token_pool.mamba_map):  # the forward did not write it all
+                self.req_to_token_pool.mamba_allocator.free(capture.slot)
+                self.histate.metrics.record_captures("unfilled", 1)
+                logger.warning("HiState: the forward did not fill the capture at %d tokens of %s (conv layers %s, "
+                               "ssm layers %s); dropped, not inserted", capture.position, req.rid,
+                               sorted(capture.conv_layers), sorted(capture.ssm_layers))
+                continue
             self._hs_inserting = capture
             try:
                 self.checkpoint_into_tree(req, up_to=capture.position)
