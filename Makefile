@@ -51,6 +51,9 @@ test-fast: venv  ## core tests only, small hypothesis budget
 test-gpu: venv  ## GPU-only tests (kernels, exactness on CUDA); skipped without CUDA
 	$(PYTEST) test -q -m gpu
 
+gpu-check:  ## on a lent GPU machine: SGLang's Triton GDN kernels under HiState's capture, the GPU tests (benchmark/gpu_check/README.md)
+	bash benchmark/gpu_check/run.sh
+
 bench: venv  ## run every benchmark and print tables (numbers go to docs/results.md by hand)
 	$(VPY) benchmark/core_ops.py
 	$(VPY) benchmark/paper_weka.py --seeds 0 1 2

@@ -21,6 +21,10 @@ swaps these three module globals for the functions below, which keep the Triton 
       after sequence (FLA's `chunk_gated_delta_rule_fwd_h` layout, which `_init_track_ssm_indices`
       indexes).
 
+A fourth stand-in, `FlashInferGDNKernel`, replaces SGLang's FlashInfer extend kernel (the default GDN
+prefill on H100/H200/B200) for the rig's FlashInfer layout: same numerics, but `h` follows FlashInfer's
+checkpoint contract instead of Triton's (its docstring).
+
 Numerics mirror the reference model (`histate.reference`): the gates as transformers' Qwen3.5 computes
 them, the recurrence `histate.reference.gdr.chunk_gated_delta_rule` in the inputs' dtype (float64 gives
 the exact mode), run one 64-token chunk per call, and the conv as an explicit sum over taps: both do the
@@ -122,6 +126,81 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         if inplace_update:
             initial_state[row] = final.transpose(-1, -2).to(initial_state.dtype)
     return torch.cat(outs, dim=1), None, torch.stack(h_rows).unsqueeze(0)
+
+
+class FlashInferGDNKernel:
+    """STAND-IN (torch, CPU) for SGLang's `FlashInferGDNKernel` (layers/attention/linear/kernels/
+    gdn_flashinfer.py:178), with the contract of its `extend` (gdn_flashinfer.py:481-596) over FlashInfer's
+    `chunk_gated_delta_rule` (flashinfer/gdn_prefill.py), not its code. The class has SGLang's name because
+    the plugin accepts extend kernels by class name (`capture_forward.CAPTURING_KERNELS`); the rig puts it
+    in `GDNAttnBackend.kernel_dispatcher.extend_kernel` (FlashInfer itself needs CUDA SM90+).
+
+    extend(q, k, v [1, T, H, D], g, beta [1, T, H], *, ssm_states [N, H, V, K], cache_indices,
+           query_start_loc, state_checkpoint_cu_starts, num_state_checkpoints,
+           state_checkpoint_every_n_tokens) -> (o, None, h)
+      * the final state of sequence i is written back into ssm_states[cache_indices[i]];
+      * `h` is None when num_state_checkpoints == 0 (SGLang passes no checkpoint buffer then,
+        gdn_flashinfer.py:559-565); otherwise [1, num_state_checkpoints, H, V, K] where, with
+        N = state_checkpoint_every_n_tokens, row cu_starts[i] + j is the state after (j + 1) * N tokens
+        of sequence i, for j < cu_starts[i + 1] - cu_starts[i] = len_i // N (flashinfer/gdn_prefill.py:
+        "checkpoint_cu_starts[i+1] - checkpoint_cu_starts[i] is the number of checkpoints for sequence i
+        (= seq_len_i // checkpoint_every_n_tokens)"). Unlike Triton's `h`, there is no row for the
+        sequence's start and, for a sequence that ends on the grid, the last row is its final state;
+      * FlashInfer's argument checks are kept: N must be a multiple of 64, and a plan with N > 0 must
+        come with both the checkpoint buffer and cu_starts (a plan of zero checkpoints with N > 0 is
+        refused, as FlashInfer refuses it). A plan whose per-sequence counts are not len_i // N is
+        refused too (the contract above is all FlashInfer documents).
+    Numerics: `gated_delta_rule_by_chunk`, as the Triton stand-in, so a checkpoint row and a cold prefill
+    that ends at it agree bit for bit in float64."""
+
+    uses_state_checkpoints = True  # gdn_flashinfer.py:187
+    supports_track_state_snapshot = False  # kernel_backend.py:24 (SGLang's GDN kernels never snapshot)
+
+    def __init__(self) -> None:
+        self.plans: list = []  # test instrumentation: (every_n_tokens, cu_starts) of each extend call with a plan
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the FlashInfer stand-in covers SGLang's extend call only")
+
+    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+               ssm_states: torch.Tensor, cache_indices: torch.Tensor, query_start_loc: torch.Tensor,
+               state_checkpoint_cu_starts: Optional[torch.Tensor] = None, num_state_checkpoints: int = 0,
+               state_checkpoint_every_n_tokens: int = 0, **kwargs: Any) -> tuple:
+        every = int(state_checkpoint_every_n_tokens)
+        starts = [int(x) for x in query_start_loc.tolist()]
+        lengths = [b - a for a, b in zip(starts, starts[1:])]
+        wants_checkpoints = num_state_checkpoints > 0
+        # gdn_flashinfer.py:559-582: a buffer only when num_state_checkpoints > 0; the rest goes to FlashInfer.
+        if every < 0 or (every > 0 and every % GDN_CHUNK_NUM_TOKENS):
+            raise ValueError(f"checkpoint_every_n_tokens must be a multiple of the chunk size (64), got {every}")
+        if every > 0 and (not wants_checkpoints or state_checkpoint_cu_starts is None):
+            raise ValueError("state_checkpoints and checkpoint_cu_starts must both be provided "
+                             "when checkpoint_every_n_tokens > 0")
+        if every == 0 and (wants_checkpoints or state_checkpoint_cu_starts is not None):
+            raise ValueError("state_checkpoints and checkpoint_cu_starts must be None "
+                             "when checkpoint_every_n_tokens == 0")
+        cu = [int(x) for x in state_checkpoint_cu_starts.tolist()] if every else [0] * (len(lengths) + 1)
+        if every and (len(cu) != len(lengths) + 1 or cu[0] != 0 or cu[-1] != num_state_checkpoints
+                      or any(b - a != n // every for a, b, n in zip(cu, cu[1:], lengths))):
+            raise ValueError(f"checkpoint plan {cu} (every {every}, {num_state_checkpoints} rows) does not follow "
+                             f"len // every for sequences of {lengths} tokens")
+        if every:
+            self.plans.append((every, tuple(cu)))
+        outs, rows = [], []
+        for i, (begin, end) in enumerate(zip(starts, starts[1:])):
+            slot = int(cache_indices[i])
+            start_state = ssm_states[slot].transpose(-1, -2).to(q.dtype).contiguous()  # pool [H, V, K] -> [H, K, V]
+            out, entering, final = gated_delta_rule_by_chunk(
+                q[:, begin:end], k[:, begin:end], v[:, begin:end], g[:, begin:end], beta[:, begin:end], start_state,
+                use_qk_l2norm=True)  # SGLang l2-normalises q, k before FlashInfer (gdn_prefill_qkv_prepare_fwd)
+            outs.append(out)
+            for j in range(cu[i + 1] - cu[i]):
+                tokens = (j + 1) * every
+                state = final if tokens == end - begin else entering[tokens // GDN_CHUNK_NUM_TOKENS]
+                rows.append(state.transpose(-1, -2))
+            ssm_states[slot] = final.transpose(-1, -2).to(ssm_states.dtype)
+        h = torch.stack(rows).unsqueeze(0) if wants_checkpoints else None
+        return torch.cat(outs, dim=1), None, h
 
 
 def install(monkeypatch: Any) -> None:

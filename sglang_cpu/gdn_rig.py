@@ -13,6 +13,13 @@ the cache factory installs them. Two things are stand-ins:
     depend on later tokens, so these are the inputs of any pass over any part of the prompt.
 Attention layers are not run: their KV slots are allocated and cached as SGLang does, their bytes unused.
 
+`page` (the `--page-size`) and `prefill_kernel` pick the setup: SGLang's tracking grid is
+`mamba_cache_chunk_size()` = max(64, page) (arg_groups/overrides.py:1897-1925), published as the server's
+`_mamba_cache_chunk_size`; `prefill_kernel` "triton" runs the Triton-layout stand-in (the rig's default,
+SGLang's own `TritonGDNKernel` object calling the swapped `chunk_gated_delta_rule`), "flashinfer" puts
+`gdn_kernels.FlashInferGDNKernel` (FlashInfer's checkpoint layout of `h`) in the dispatcher's
+`extend_kernel`, where SGLang's `GDNKernelDispatcher` puts its FlashInfer kernel (gdn_backend.py:326-338).
+
 `cold_layer_state` is the independent reference: each GDN layer prefilled from nothing over tokens
 [0, p) of the same inputs with the same arithmetic (`gdn_kernels`), its final state taken directly: no
 SGLang code, no pool, no per-chunk state rows, no capture.
@@ -28,8 +35,15 @@ import torch
 from .gdn_kernels import causal_conv, fused_gdn_gating, gated_delta_rule_by_chunk
 from .pools import Pools, cache_params, publish_server_args
 
-PAGE = 16
+PAGE = 16  # the default page
 GRID = 64  # the GDN state chunk: the state grid (lcm with the 16-token page)
+PREFILL_KERNELS = ("triton", "flashinfer")
+
+
+def cache_chunk_tokens(page: int) -> int:
+    """SGLang's `mamba_cache_chunk_size()` for a GDN model (chunk 64) at `page` (overrides.py:1917-1924)."""
+    assert max(GRID, page) % min(GRID, page) == 0, f"page {page}: SGLang refuses it with a 64-token chunk"
+    return max(GRID, page)
 
 
 class _KvPlan:
@@ -45,9 +59,10 @@ class _KvTranslator:
 class GdnRig:
     def __init__(self, numerics: str, histate_config: Any, *, mamba_slots: int = 96, kv_tokens: int = 16384,
                  max_reqs: int = 8, clock: Any = None, hicache_ratio: Optional[float] = None,
-                 kv_heads: int = 1, kv_head_dim: int = 4):
-        """`hicache_ratio`: attach SGLang's host tier (host pools of that many times the device pools,
-        re-split by HiState) and, when `histate_config` names SSD directories, HiState's SSD tier.
+                 kv_heads: int = 1, kv_head_dim: int = 4, page: int = PAGE, prefill_kernel: str = "triton"):
+        """`page`, `prefill_kernel`: the module docstring. `hicache_ratio`: attach SGLang's host tier (host
+        pools of that many times the device pools, re-split by HiState) and, when `histate_config` names SSD
+        directories, HiState's SSD tier.
         `kv_heads` x `kv_head_dim`: the attention KV geometry; only its size matters (no attention layer
         runs), through N_s = checkpoint bytes / KV bytes per token in eq. 3-7."""
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
@@ -59,8 +74,11 @@ class GdnRig:
         from histate.reference.runner import ModelRunner
         from histate.sglang_plugin.tree_cache import HiStateRadixCache
 
+        if prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"prefill_kernel {prefill_kernel!r}: one of {PREFILL_KERNELS}")
+        self.page, self.grid = page, cache_chunk_tokens(page)
         if hicache_ratio is None:
-            self.server_args = publish_server_args(page_size=PAGE, chunk_tokens=GRID,
+            self.server_args = publish_server_args(page_size=page, chunk_tokens=self.grid,
                                                    mamba_radix_cache_strategy="extra_buffer")
         else:
             from histate.sglang_plugin.server_settings import storage_extra_config
@@ -68,7 +86,7 @@ class GdnRig:
             from .hicache import hicache_server_args
 
             storage = storage_extra_config(None, histate_config) if histate_config.has_ssd else None
-            self.server_args = hicache_server_args(PAGE, GRID, storage_extra=storage, hicache_ratio=hicache_ratio,
+            self.server_args = hicache_server_args(page, self.grid, storage_extra=storage, hicache_ratio=hicache_ratio,
                                                    mamba_radix_cache_strategy="extra_buffer")
         self.runner = ModelRunner(numerics, page_num_tokens=GRID)
         model = self.runner.model
@@ -88,13 +106,13 @@ class GdnRig:
         pool = HybridReqToTokenPool(size=max_reqs, mamba_size=mamba_slots, mamba_spec_state_size=max_reqs,
                                     max_context_len=8192, device="cpu", enable_memory_saver=False, cache_params=params,
                                     mamba_layer_ids=self.mamba_layers, enable_mamba_extra_buffer=True)
-        kvcache = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=PAGE, head_num=kv_heads,
+        kvcache = HybridLinearKVPool(size=kv_tokens, dtype=torch.bfloat16, page_size=page, head_num=kv_heads,
                                      head_dim=kv_head_dim,
                                      full_attention_layer_ids=full_layers, device="cpu", enable_memory_saver=False,
                                      mamba_pool=pool.mamba_pool)
-        allocator = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=PAGE, dtype=torch.bfloat16, device="cpu",
+        allocator = PagedTokenToKVPoolAllocator(size=kv_tokens, page_size=page, dtype=torch.bfloat16, device="cpu",
                                                 kvcache=kvcache, need_sort=False)
-        self.pools = Pools(pool, kvcache, allocator, PAGE)
+        self.pools = Pools(pool, kvcache, allocator, page)
         install_hooks()
         self.cache = HiStateRadixCache(cache_params(self.pools), histate_config=histate_config,
                                        clock=clock or (lambda: 0.0))
@@ -114,6 +132,13 @@ class GdnRig:
             kv_index_translator=_KvTranslator(), prefill_attention_backend_str="torch_native",
             ngram_embedding_manager=types.SimpleNamespace(enabled=False))
         self.backend = GDNAttnBackend(self.model_runner)
+        if prefill_kernel == "flashinfer":
+            from histate.sglang_plugin.capture_forward import check_extend_kernel
+
+            from .gdn_kernels import FlashInferGDNKernel
+
+            self.backend.kernel_dispatcher.extend_kernel = FlashInferGDNKernel()
+            check_extend_kernel(None, self.backend)  # the plugin's model-load check, on the kernel it will run
         self.inputs: dict = {}  # rid -> per GDN layer (mixed_qkv, a, b) over the whole prompt
 
     # --- requests ------------------------------------------------------------------------------------

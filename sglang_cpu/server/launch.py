@@ -15,6 +15,9 @@ CPU needs, each added only when the caller did not give it:
   --hicache-io-backend direct --hicache-mem-layout page_first_direct   (with a host tier only)
       (the Mamba host pool takes page_first layouts only, pool_host/mamba.py:103; the transfer ops
       bound on CPU are the direct ones)
+  --histate-device-pool static   (with --enable-histate only)
+      (HiState's default unified pool implies SGLang's page-major KV layout, which no attention
+      backend that runs on CPU reads; the plugin refuses it with torch_native: docs/sglang.md)
 
 Stock SGLang and `--enable-histate` go through the same function, so they are launched the same way.
 `python -m sglang_cpu.server.launch [SGLang flags]` runs one in the foreground (`make cpu-server`).
@@ -45,6 +48,7 @@ CPU_DEFAULTS = (
 )
 HOST_TIER_DEFAULTS = (("--hicache-io-backend", "direct"), ("--hicache-mem-layout", "page_first_direct"))
 HOST_TIER_FLAGS = ("--enable-histate", "--enable-hierarchical-cache")
+HISTATE_DEFAULTS = (("--histate-device-pool", "static"),)
 
 
 def _given(args: Sequence[str], flag: str) -> bool:
@@ -66,6 +70,8 @@ def server_args(args: Sequence[str], model_dir: Path, port: int, dtype: str) -> 
     defaults = list(CPU_DEFAULTS) + [("--model-path", str(model_dir)), ("--port", str(port)), ("--dtype", dtype)]
     if any(_given(args, flag) for flag in HOST_TIER_FLAGS):
         defaults += HOST_TIER_DEFAULTS
+    if _given(args, "--enable-histate"):
+        defaults += HISTATE_DEFAULTS
     for flag, value in defaults:
         if not _given(args, flag):
             out += [flag] if value is None else [flag, value]

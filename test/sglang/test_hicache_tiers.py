@@ -345,7 +345,7 @@ def test_metrics_are_exported_with_sglang_labels(sglang_plugins):
 
 # --- restarts and flushes: the SSD tier keeps its budget, a pending restore survives a flush -------
 
-def _small_ssd_cache(tmp_path, pools, monkeypatch, size="1MiB", hicache_ratio=1.5):
+def _small_ssd_cache(tmp_path, pools, monkeypatch, size="1MiB", hicache_ratio=1.5, clock=None):
     """A 1 MiB SSD below small device and host pools (`_fill`): both run short, so the host's
     lowest-ranked KV is demoted to the SSD (its victim tier) and the SSD fills."""
     import histate.sglang_plugin.config as plugin_config
@@ -356,7 +356,7 @@ def _small_ssd_cache(tmp_path, pools, monkeypatch, size="1MiB", hicache_ratio=1.
     config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
                              "ssd_size_bytes": size}, {})
     return build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
-                         clock=ManualClock(1.0), hicache_ratio=hicache_ratio)
+                         clock=clock or ManualClock(1.0), hicache_ratio=hicache_ratio)
 
 
 def _fill(cache, pools, first_token, num_prompts, until_used_share=None):
@@ -559,3 +559,44 @@ def test_the_trim_takes_orphans_and_live_units_lowest_score_first(sglang_plugins
     assert max(score for _, score in taken) <= min(remaining) + 1e-9
     assert {kind for kind, _ in taken} == {"orphan", "live"}  # both kinds compete in this run
     _check_ssd_ledger(cache)
+
+
+def test_host_bundles_the_state_slots_evict_are_on_the_ssd_first(sglang_plugins, tmp_path, monkeypatch):
+    """Issue 27, R2. The host's state slots are a small staging pool (the host budget goes to KV), so
+    they run short long before the host KV pool does, and their walk takes whole host leaves (SGLang
+    keeps no KV tail without its state). The SSD took host KV only when the KV pool ran short, so
+    those leaves' KV left the host and never reached the SSD: on SGLang's server, a 2,048-token device
+    pool and 16 prompts left nothing to serve after a flush or a restart. Now the bundles the state-slot
+    walk takes next are written ahead too: with a host KV pool that never runs short, the first prompt's
+    whole KV comes back from the SSD (SGLang's L3 prefetch) with its terminal state."""
+    from sglang_cpu.hicache import TieredDriver
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    import histate.sglang_plugin.ssd_tier as ssd_tier
+
+    pools = build_pools(1024, 32)
+    clock = ManualClock(1.0)  # one second per request: distinct recency, so the ranking has no ties
+    cache = _small_ssd_cache(tmp_path, pools, monkeypatch, size="16MiB", hicache_ratio=8.0, clock=clock)
+    host_kv = _host_pools(cache)[0]
+    driver = TieredDriver(cache, pools)
+    prompts = [list(range(start, start + 16 * PAGE)) for start in range(200_000, 200_000 + 24 * 10_000, 10_000)]
+    assert len(prompts) * 16 * PAGE < (1 - ssd_tier.DEMOTE_MARGIN) * host_kv.size  # the KV pool never runs short
+    for prompt in prompts:
+        clock.now += 1.0
+        driver.serve(prompt, [8 * PAGE, 16 * PAGE])
+    leaf = cache.tree_core.node_by_id(cache.tree_core.root_node.id)
+    for child in cache.tree_core.root_node.children.values():
+        if list(child.key.token_ids[:PAGE]) == prompts[0][:PAGE]:
+            leaf = child
+    while leaf.children:
+        leaf = next(iter(leaf.children.values()))
+    assert core_of(leaf).ckpt_mask == SSD_BIT, \
+        "the first prompt's terminal state is still on the host: the state slots never ran short"
+    assert cache.histate.metrics.totals["kv_demoted_tokens_total"] > 0
+    clock.now += 1.0
+    reused = driver.admit(prompts[0] + [7] * PAGE)
+    driver.cache.unlock(driver.admission_lock)
+    driver.admission_lock = None
+    assert reused == 16 * PAGE
+    _check_ssd_ledger(cache)
+    cache.sanity_check()

@@ -25,6 +25,7 @@ inserting it (`release_captures`).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,6 +33,8 @@ from typing import Any, Optional
 from histate.core import split_pass
 
 from .hooks import install_once
+
+logger = logging.getLogger(__name__)
 
 _SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
@@ -115,9 +118,13 @@ def track_entry_around(original: Any, batch: Any, req: Any) -> Any:
             kv.mamba_next_track_idx, kv.mamba_last_track_idx, kv.mamba_last_track_seqlen = saved
             entry = entry._replace(track_mask=False, track_seqlen=-1)
         return entry
-    if not entry.track_mask:  # cannot happen: a planned position is at least one grid past the prefix
-        raise RuntimeError(f"HiState: SGLang tracks nothing in a pass of {req.rid} holding planned "
-                           f"position {split.tracked} (prefix {req.prefix_len}, end {req.extend_end})")
+    if not entry.track_mask:  # not expected: a planned position is at least one grid past the prefix
+        # Raising here would take the scheduler down; keeping SGLang's choice (nothing tracked, no extra
+        # slot) only costs this pass its checkpoints.
+        logger.error("HiState: SGLang tracks nothing in a pass of %s holding planned position %d (prefix %d, "
+                     "end %d); its checkpoints are dropped", req.rid, split.tracked, req.prefix_len, req.extend_end)
+        metrics.record_captures("no_track", 1 + len(split.extra))
+        return entry
     # SGLang's encoding (schedule_batch.py:3157-3170): the pass end selects the final state, any other
     # position p is passed as p + 1 so that the backend reads the per-chunk state h at p.
     kv.mamba_last_track_seqlen = split.tracked

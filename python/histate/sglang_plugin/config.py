@@ -240,9 +240,10 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("enable", "--enable-histate", "HISTATE_ENABLE", _parse_bool, is_switch=True,
            help="Turn HiState on: radix backend 'histate', hierarchical cache, HiState's host sizing "
-                "and SSD checkpoint store. Hybrid (attention + Mamba/GDN) models only. HiState's ranking "
-                "(eq. 7, H = t_last + tau * C / M, see --histate-tau) is the eviction policy on device, host "
-                "and SSD: it replaces --radix-eviction-policy (a value other than lru is refused)."),
+                "and SSD checkpoint store. Hybrid attention + Gated-DeltaNet models only (Qwen3-Next / Qwen3.5 "
+                "family; other hybrids are refused at start). HiState's ranking (eq. 7, H = t_last + tau * C / "
+                "M, see --histate-tau) is the eviction policy on device, host and SSD: it replaces "
+                "--radix-eviction-policy (a value other than lru is refused)."),
     Option("ssd_dirs", "--histate-ssd-dir", "HISTATE_SSD_DIR", parse_dirs, nargs="+", metavar="DIR",
            help="One or more directories for the SSD tier (historical checkpoints, cold KV pages). "
                 "Env: comma-separated. Each rank stores in its own subdirectory; nothing else in DIR "

@@ -1,25 +1,106 @@
-"""Installing a group of HiState's SGLang hooks once per process.
+"""Installing a group of HiState's SGLang hooks once per process, and proving each one took.
 
 SGLang's `HookRegistry` patches a target each time a hook is registered and applied, so a group
-(the scheduler's capture hooks, the GDN backend's, the chunk planning) must be registered once per
-process however many caches the process builds. Each group is named; `install_once` remembers the
-names it installed.
+(the scheduler's capture hooks, the GDN backend's, the chunk planning, the ServerArgs hooks) must be
+registered once per process however many caches the process builds. Each group is named;
+`install_once` remembers the names it installed.
+
+Fail-closed: `HookRegistry.apply_hooks` only logs a target it cannot resolve (and skips, silently,
+a target some earlier registration already patched), so a renamed SGLang method would leave HiState
+half-installed, e.g. capture slots the scheduler allocates with no backend hook to fill them.
+`install_once` therefore resolves every target before registering anything, and after applying
+checks that each target now names a different object than before (the wrapper HookRegistry builds).
+Any target that is missing or unchanged fails the whole group with one RuntimeError naming the group
+and every such target; the group is then not recorded as installed, and asking for it again raises
+the same error.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import inspect
+import pkgutil
+from typing import Any, Callable, Sequence
 
 _installed: set = set()
+_failed: dict = {}  # group -> the error message it failed with
+
+
+def is_installed(group: str) -> bool:
+    return group in _installed
+
+
+def resolve_target(target: str) -> Any:
+    """The object `target` ("module.Class.attr" or "module.attr") names now, as HookRegistry sees it:
+    looked up without binding (a classmethod's or staticmethod's function, not a fresh bound method)."""
+    owner_path, _, attr = target.rpartition(".")
+    if not owner_path:
+        raise ValueError(f"not a dotted path to an attribute: {target!r}")
+    owner = pkgutil.resolve_name(owner_path)
+    value = inspect.getattr_static(owner, attr)
+    return value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".splitlines()[0]
+
+
+def _forget(unpatched: Sequence[str], functions: Sequence[Callable]) -> None:
+    """Take our registrations of targets that did not get patched back out of the registry, so that
+    later `apply_hooks` calls (other groups, other plugins) do not retry and log them again. Uses
+    HookRegistry's `_hooks` and `_patched` (SGLang 0.5.23, plugins/hook_registry.py): a target already
+    in `_patched` was patched by someone else and is left alone."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    registry = getattr(HookRegistry, "_hooks", None)
+    patched = getattr(HookRegistry, "_patched", set())
+    if registry is None:
+        return
+    for target in unpatched:
+        if target in patched or target not in registry:
+            continue
+        kept = [entry for entry in registry[target] if entry[1] not in functions]
+        if kept:
+            registry[target] = kept
+        else:
+            del registry[target]
 
 
 def install_once(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None:
     """Register `hooks` ((target, function, "BEFORE" | "AFTER" | "AROUND")) and apply them, the first
-    time `group` is installed in this process."""
+    time `group` is installed in this process; raise RuntimeError naming the group and every target
+    that could not be patched."""
     if group in _installed:
         return
+    if group in _failed:
+        raise RuntimeError(_failed[group])
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, function, kind in hooks:
-        HookRegistry.register(target, function, HookType[kind])
-    HookRegistry.apply_hooks()
+    kinds = [HookType[kind] for _, _, kind in hooks]  # a bad kind is a KeyError before anything is registered
+    originals: dict = {}
+    problems: dict = {}
+    for target, _, _ in hooks:
+        try:
+            originals[target] = resolve_target(target)
+        except Exception as error:  # ImportError, AttributeError, ValueError: the name is gone
+            problems[target] = f"not found ({_describe(error)})"
+    if not problems:  # all or nothing: a group with a missing target registers none of its hooks
+        for (target, function, _), kind in zip(hooks, kinds):
+            HookRegistry.register(target, function, kind)
+        HookRegistry.apply_hooks()
+        for target, _, _ in hooks:
+            try:
+                now = resolve_target(target)
+            except Exception as error:
+                problems[target] = f"not found after patching ({_describe(error)})"
+                continue
+            if now is originals[target]:
+                problems[target] = ("not patched (HookRegistry left it unchanged: it failed to apply, or an "
+                                    "earlier registration had already patched this target)")
+        if problems:
+            _forget(list(problems), [function for _, function, _ in hooks])
+    if problems:
+        listed = "; ".join(f"{target} {why}" for target, why in problems.items())
+        message = (f"HiState cannot install its SGLang hook group {group!r}: {listed}. This SGLang differs "
+                   f"from the 0.5.23 HiState was built for; refusing to run without these hooks")
+        _failed[group] = message
+        raise RuntimeError(message)
     _installed.add(group)

@@ -188,11 +188,11 @@ def install_host_policy() -> None:
     if _installed:
         return
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import register_stack_strategy
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .hooks import install_once
 
     module = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
-    HookRegistry.register(f"{module}.build_kv_host_pool", _kv_host_pool_around, HookType.AROUND)
-    HookRegistry.register(f"{module}.build_mamba_host_pool", _mamba_host_pool_around, HookType.AROUND)
-    HookRegistry.apply_hooks()  # idempotent: targets patched earlier are skipped
+    install_once("host_sizing", [(f"{module}.build_kv_host_pool", _kv_host_pool_around, "AROUND"),
+                                 (f"{module}.build_mamba_host_pool", _mamba_host_pool_around, "AROUND")])
     register_stack_strategy(_stack_strategy_class()())
     _installed = True

@@ -21,7 +21,7 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
                                                 --histate-short-prefill-first: capped (short ones went first)
                                                 | aged (ran uncapped: it had yielded max-yields passes in a row)
   sglang:histate_captures_total{result}         planned checkpoints of prefill passes: tracked | extra |
-                                                off_grid | no_slot | unfilled (the last three dropped;
+                                                off_grid | no_slot | no_track | unfilled (the last four dropped;
                                                 unfilled: the forward did not write every layer)
   sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
   sglang:histate_kv_demoted_tokens_total        host KV written to SSD ahead of its eviction (victim tier)
@@ -90,7 +90,7 @@ class HiStateMetrics:
                 "'capped' (waiting short prefills went first), 'aged' (ran uncapped after max-yields capped "
                 "passes in a row).", ("result",))
         counter("captures_total", "Planned checkpoints of prefill passes: 'tracked' (SGLang's track slot), "
-                "'extra' (a slot of their own, same pass), 'off_grid' / 'no_slot' / 'unfilled' (dropped; 'unfilled': "
+                "'extra' (a slot of their own, same pass), 'off_grid' / 'no_slot' / 'no_track' / 'unfilled' (dropped; 'unfilled': "
                 "the forward did not write the slot in every recurrent layer).", ("result",))
         counter("checkpoints_homed_total", "Device or host copies of historical checkpoints dropped once "
                 "their SSD copy was acknowledged (asymmetric tiering).")

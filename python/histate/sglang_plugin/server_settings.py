@@ -86,7 +86,64 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], Any], ...] = (
     (lambda r: _flag(r, "hicache_storage_backend") not in (None, "dynamic"),
      "--enable-histate brings its own SSD backend; drop --hicache-storage-backend "
      "and give --histate-ssd-dir DIR instead."),
+    # Modes no HiState test proves (docs/sglang.md, "What it rejects"); sglang paths are in the messages.
+    (lambda r: bool(_flag(r, "enable_two_batch_overlap")),
+     "--enable-histate: --enable-two-batch-overlap is not supported (two-batch overlap runs each batch as two "
+     "child ForwardBatches built from SGLang's own fields, which do not carry HiState's in-pass capture list, so "
+     "planned checkpoints would stay unfilled; sglang batch_overlap/two_batch_overlap.py:666-879); drop one of them"),
+    (lambda r: _flag(r, "speculative_algorithm") is not None,
+     lambda r: f"--enable-histate: --speculative-algorithm {_flag(r, 'speculative_algorithm')} is not supported "
+               "(draft-extend and target-verify passes are not covered by HiState's in-pass captures, checkpoint "
+               "placement or tests); drop one of them"),
+    (lambda r: bool(_flag(r, "enable_dp_attention")),
+     "--enable-histate: --enable-dp-attention is not supported (attention data parallelism is not covered by "
+     "HiState's tests); drop one of them"),
+    (lambda r: _int_flag(r, "attn_dp_size", 1) > 1,
+     lambda r: f"--enable-histate: --attn-dp-size {_flag(r, 'attn_dp_size')} is not supported (attention data "
+               "parallelism is not covered by HiState's tests); drop one of them"),
+    (lambda r: _flag(r, "disaggregation_mode", "null") not in (None, "null"),
+     lambda r: f"--enable-histate: --disaggregation-mode {_flag(r, 'disaggregation_mode')} is not supported (PD "
+               "disaggregation moves KV and state between servers outside HiState's tiers and is not covered by its "
+               "tests); drop one of them"),
+    (lambda r: _int_flag(r, "mamba_max_states_per_path", -1) != -1,
+     lambda r: f"--enable-histate: --mamba-max-states-per-path {_flag(r, 'mamba_max_states_per_path')} is not "
+               "supported (after each insert SGLang drops the shallowest device checkpoints past the cap, sglang "
+               "mem_cache/unified_cache/components/mamba.py:255-320, overriding HiState's checkpoint placement and "
+               "eq. 7 ranking, which decide which checkpoints stay); drop it"),
+    (lambda r: _prefill_graph_backend(r)[0] == "full",
+     lambda r: f"--enable-histate: {_prefill_graph_backend(r)[1]} is not supported (a full prefill CUDA graph "
+               "replays the GDN extend inside the graph, where HiState's capture hooks do not run, so planned "
+               "checkpoints would stay unfilled; the default breakable graph runs each GDN layer eagerly); use "
+               "--cuda-graph-backend-prefill breakable or disabled"),
 )
+
+
+def _int_flag(raw: Any, name: str, default: int) -> int:
+    value = _flag(raw, name, default)
+    try:
+        return int(default if value is None else value)
+    except (TypeError, ValueError):
+        return default  # SGLang's own validation reports a malformed value
+
+
+def _prefill_graph_backend(raw: Any) -> tuple[Optional[str], str]:
+    """The prefill CUDA-graph backend the user asked for, and the flag that asked: the
+    --cuda-graph-config JSON wins over --cuda-graph-backend-prefill, as in SGLang's
+    `parse_cuda_graph_config` (arg_groups/cuda_graph_hook.py:32-100)."""
+    config = _flag(raw, "cuda_graph_config")
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError:
+            config = None  # SGLang reports malformed JSON itself
+    if config is not None and not isinstance(config, dict) and hasattr(config, "to_dict"):
+        config = config.to_dict()  # a CudaGraphConfig object (Engine(**kwargs))
+    prefill = config.get("prefill") if isinstance(config, dict) else None
+    if isinstance(prefill, dict) and prefill.get("backend"):
+        backend = str(prefill["backend"])
+        return backend, f"--cuda-graph-config prefill.backend {backend}"
+    backend = _flag(raw, "cuda_graph_backend_prefill")
+    return (str(backend), f"--cuda-graph-backend-prefill {backend}") if backend else (None, "")
 
 
 def check_conflicts(raw: Any) -> None:

@@ -6,7 +6,8 @@ own L2 -> L3 write-through (`write_backup_storage` after each host backup, unifi
 
 What is written (docs/policies.md "Tiering"): a node's state, through SGLang's write-through; its KV
 only when `demote` chose it. The SSD is the host's victim tier for KV: once the host KV pool is more
-than 1 - DEMOTE_MARGIN full, the lowest-ranked host bundles (and the host-only ancestors the same host
+than 1 - DEMOTE_MARGIN full, or its state slots more than 1 - STATE_DEMOTE_MARGIN (their walk takes
+whole host leaves too), the host bundles those walks take next (and the host-only ancestors the same
 walk can delete right after them) are written ahead of their eviction; the backend's `admits_kv`
 filter skips every other KV page SGLang's write-through hands it.
 
@@ -74,6 +75,18 @@ logger = logging.getLogger(__name__)
 HIGH_WATERMARK = 0.95  # agreed SSD usage (share of the per-rank budget) that starts a trim
 LOW_WATERMARK = 0.90  # ... and where it stops
 DEMOTE_MARGIN = 0.10  # share of the host KV pool, lowest-ranked first, kept SSD-backed once the host is this full
+STATE_DEMOTE_MARGIN = 0.25  # the same for the host's state slots (few: a pass can fill several at once)
+
+
+def _covering(amount: float, size) -> Any:
+    """An `enough` for `peek`: true once the units seen so far add up to `amount` (`size` per node)."""
+    covered = [0]
+
+    def enough(node: CoreNode, unit: UnitKind) -> bool:
+        covered[0] += size(node)
+        return covered[0] >= amount
+
+    return enough
 
 
 @dataclass
@@ -319,30 +332,38 @@ class SsdTier:
     # --- the SSD as the host's victim tier for KV ---------------------------------------------------
 
     def demote(self) -> int:
-        """Write the lowest-ranked host KV ahead of its eviction: once the host KV pool is full past
-        1 - DEMOTE_MARGIN, the host bundles (host leaves, what SGLang's host walk deletes next) that
-        rank lowest and cover DEMOTE_MARGIN of the pool, with the host-only ancestors the same walk can
-        delete after them (`_host_chain`), are made SSD-backed, each through SGLang's own
-        `write_backup_storage` with its pages admitted. What the host then evicts is on SSD already,
-        and its objects stay cache as orphans. Scheduler thread, once per step; every input is agreed
-        (host pool usage follows tree events, eq. 7 on the agreed clock). Returns backups started."""
+        """Write host KV ahead of its eviction, so what the host evicts is on SSD already (its objects
+        stay cache as orphans). Two walks evict host bundles, so two triggers, each once the pool its
+        walk frees is full past 1 - its margin:
+          * the KV pool (FULL's walk): the lowest-ranked host bundles covering DEMOTE_MARGIN of the pool;
+          * the state slots (MAMBA's walk, a small staging pool that runs short long before the KV pool
+            when prompts are short of the host's room): of the units that walk takes next, lowest first,
+            covering STATE_DEMOTE_MARGIN of the slots, the bundles (a host leaf goes whole: SGLang keeps
+            no KV tail without its state). Without this trigger those bundles' KV left the host and
+            never reached the SSD (issue 27, R2).
+        Each chosen bundle, with the host-only ancestors the same walk can delete after it
+        (`_host_chain`), is made SSD-backed through SGLang's own `write_backup_storage` with its pages
+        admitted. Scheduler thread, once per step; every input is agreed (pool usage follows tree
+        events, eq. 7 on the agreed clock). Returns backups started."""
         from sglang.srt.mem_cache.hicache_storage import PoolName
 
+        from .eviction import takes_host_state
+
         group = self.cache.host_pool_group
-        host_pool = group.get_pool(PoolName.KV) if group is not None else None
-        if host_pool is None:
+        if group is None:
             return 0
-        capacity_tokens = host_pool.size
-        if host_pool.available_size() > DEMOTE_MARGIN * capacity_tokens:
-            return 0
-        margin_tokens, covered = DEMOTE_MARGIN * capacity_tokens, [0]
-
-        def enough(node: CoreNode, unit: UnitKind) -> bool:
-            covered[0] += len(node.keys)
-            return covered[0] >= margin_tokens
-
+        leaves = []
+        kv_pool = group.get_pool(PoolName.KV)
+        if kv_pool is not None and kv_pool.available_size() <= DEMOTE_MARGIN * kv_pool.size:
+            leaves += [leaf for leaf, _ in self.runtime.victims.peek(
+                Tier.CPU, is_bundle, _covering(DEMOTE_MARGIN * kv_pool.size, lambda node: len(node.keys)))]
+        state_pool = group.get_pool(PoolName.MAMBA)
+        if state_pool is not None and state_pool.available_size() <= STATE_DEMOTE_MARGIN * state_pool.size:
+            leaves += [node for node, unit in self.runtime.victims.peek(
+                Tier.CPU, takes_host_state, _covering(STATE_DEMOTE_MARGIN * state_pool.size, lambda node: 1))
+                if is_bundle(node, unit)]
         chosen, seen = [], set()
-        for leaf, _ in self.runtime.victims.peek(Tier.CPU, is_bundle, enough):
+        for leaf in leaves:
             for node in _host_chain(leaf):
                 if id(node) not in seen and not node.ssd_kv and id(node) not in self.demoting and node.sg.hash_value:
                     chosen.append(node)
@@ -492,6 +513,12 @@ class SsdTier:
             node = self.candidates.pop(handle, None)
             if node is None or not node.is_alive or node.ckpt_mask != SSD_BIT:
                 return True  # nothing (left) to restore: these inputs are the same on every rank
+            if self.cache.prefetch_loaded_tokens_by_reqid.get(handle, 0) > 0:
+                # SGLang's own L3 prefetch for this request (whose hold ended just before this) brought
+                # KV and a state from past the matched path, deeper than this checkpoint, noted at the
+                # earlier match: the restore would only take a host slot, evicting what the prefetch
+                # just landed (unified_radix_cache.py:2391-2420, 2518; the counts are rank-agreed).
+                return True
             job = self._start(node)
             if job is None:
                 return True

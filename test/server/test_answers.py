@@ -1,0 +1,47 @@
+"""Greedy answers of `--enable-histate` equal stock SGLang's cold answers, on SGLang's own server.
+
+Both servers are `python -m sglang.launch_server` processes on this CPU (sglang_cpu/server: the same
+tiny fp32 Qwen3.5, torch stand-ins for the sgl-kernel ops). The reference runs with the radix cache
+disabled, so every answer there is a cold prefill; HiState resumes from whatever it kept (device, host
+or SSD, in-pass captures included). Three agent sessions of six turns each, interleaved: every turn
+extends, truncates, forks or edits the context the previous turns built. Expectations are computed
+here, independently of HiState: the reference's answers, and bounds on `cached_tokens` from the
+request stream alone (page-aligned, never beyond the longest prefix shared with an earlier context).
+"""
+from __future__ import annotations
+
+import random
+
+from .client import PAGE_NUM_TOKENS, AgentSession, common_prefix_len, generate, tokens
+
+LOGPROB_TOLERANCE = 1e-5  # fp32: rounding is ~1e-6; a wrong state moves logprobs by ~1e-3 (capture-live.md)
+NUM_SESSIONS, NUM_TURNS = 3, 6
+
+
+def test_multi_turn_sessions_answer_as_stock_sglang_cold(servers):
+    reference, histate = servers.reference, servers.histate
+    system_prompt = tokens(random.Random(7), 5 * PAGE_NUM_TOKENS + 17)  # shared by every session
+    sessions = [AgentSession(s, system_prompt) for s in range(NUM_SESSIONS)]
+    seen: list = []  # every context (prompt + answer) the servers have been sent so far
+    report, hits = [], 0
+    for turn in range(NUM_TURNS):
+        for session in sessions:
+            prompt = session.next_prompt(turn)
+            cold, served = generate(reference.url, prompt), generate(histate.url, prompt)
+            kind = AgentSession.KINDS[turn]
+            where = f"session {session.session} turn {turn} ({kind}, {len(prompt)} tokens)"
+            assert cold.cached_tokens == 0, where
+            assert served.output_ids == cold.output_ids, f"{where}: greedy answer differs from stock's cold one"
+            gap = served.max_logprob_gap(cold)
+            assert gap <= LOGPROB_TOLERANCE, f"{where}: logprobs {gap:.2e} off a cold prefill"
+            bound = max((common_prefix_len(prompt, context) for context in seen), default=0)
+            assert served.cached_tokens % PAGE_NUM_TOKENS == 0, where
+            assert served.cached_tokens <= min(bound, len(prompt) - 1), f"{where}: {served.cached_tokens} cached"
+            hits += served.cached_tokens > 0
+            report.append(f"{where}: cached {served.cached_tokens} of a {bound}-token shared prefix, gap {gap:.1e}")
+            session.record(prompt, served)
+            seen.extend([prompt, session.contexts[-1]])
+    print("\n".join(report))
+    # Every turn after the first shares at least the system prompt: a cache that served nothing would
+    # make the comparison above vacuous.
+    assert hits >= NUM_SESSIONS * (NUM_TURNS - 1), report

@@ -1,0 +1,73 @@
+"""Users' clients against SGLang's own server with `--enable-histate`, and HiState on SGLang's /metrics.
+
+  * `python -m sglang.bench_serving` (SGLang's benchmark client; it imports sglang, so it runs with the
+    project's CPU import stubs, sglang_cpu/stubs.py): every request answered, TTFT > 0;
+  * `histate bench` (the project's closed-loop agent replay) over two synthetic sessions;
+  * `/metrics` with `--enable-metrics` and an SSD tier (the combination that crashed the scheduler at
+    start-up, R1): HiState's series under SGLang's `sglang:` prefix with SGLang's labels, counting what
+    the requests above did; SGLang's own storage histograms fed by HiState's backend (`get_stats`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from .client import get_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _series(text: str, name: str) -> dict:
+    """{labels: value} of one metric family in Prometheus text."""
+    out = {}
+    for labels, value in re.findall(rf"^sglang:{name}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, flags=re.M):
+        out[labels] = float(value)
+    return out
+
+
+def test_sglang_bench_serving_against_histate(servers, tmp_path):
+    out = tmp_path / "bench_serving.jsonl"
+    argv = ["--backend", "sglang", "--base-url", servers.histate.url, "--dataset-name", "random-ids",
+            "--num-prompts", "8", "--random-input-len", "300", "--random-output-len", "8",
+            "--random-range-ratio", "1", "--output-file", str(out), "--disable-tqdm"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "sglang_cpu" / "stubs.py"), "sglang.bench_serving", *argv],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text().splitlines()[-1])
+    assert result["completed"] == 8, result.get("errors")
+    assert 0 < result["mean_ttft_ms"] < result["mean_e2e_latency_ms"]
+
+
+def test_histate_bench_against_sglang_with_histate(servers, tmp_path):
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, "-m", "histate.cli", "bench", "--base-url", servers.histate.url, "--synthetic", "agent",
+         "--max-sessions", "2", "--token-scale", "0.03125", "--time-scale", "0.0001", "--vocab-size", "512",
+         "--out", str(out), "--no-progress", "--no-plots"],
+        capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    (stats,) = summary["policies"].values()
+    assert summary["bench"]["completed_requests"] == stats["requests"] > 0
+    assert 0 < stats["ttft_p50_s"] <= stats["ttft_p99_s"] < 60
+
+
+def test_histate_counters_on_sglangs_metrics(servers):
+    text = get_text(servers.histate.url + "/metrics")
+    hits = _series(text, "histate_prefix_hits_total")
+    assert hits and sum(hits.values()) > 0, "no HiState hit counted"
+    assert all('tp_rank="0"' in labels for labels in hits)
+    captures = _series(text, "histate_captures_total")
+    assert sum(v for k, v in captures.items() if 'result="tracked"' in k) > 0
+    assert sum(v for k, v in captures.items() if 'result="unfilled"' in k) == 0
+    assert sum(_series(text, "histate_ssd_written_bytes_total").values()) > 0
+    assert sum(_series(text, "histate_input_tokens_total").values()) > 0
+    # SGLang's own series next to them: its cache hit accounting and storage histograms fed by get_stats
+    assert _series(text, "num_requests_total") or _series(text, "prompt_tokens_total")
+    backups = _series(text, "backup_pgs_count")
+    assert backups and sum(backups.values()) > 0, "SGLang's storage metrics saw no HiState backup"
