@@ -4,11 +4,11 @@ PY        ?= python3
 VENV      ?= .venv
 VPY       := $(VENV)/bin/python
 PIP       := $(VPY) -m pip install -q -c constraints/cpu.txt
-STAMP     := $(VENV)/.histate-installed-v2
+STAMP     := $(VENV)/.histate-installed-v3
 PYTEST    := $(VPY) -m pytest
 HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: help venv demo test test-fast test-gpu bench golden size clean cluster
+.PHONY: help venv demo test test-fast test-gpu gpu-check cpu-server bench golden size clean cluster
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -17,11 +17,13 @@ $(STAMP): python/pyproject.toml constraints/cpu.txt Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) -e "python[sim,storage,test,reference,sglang,bench]"
+	$(PIP) -e "python[sim,storage,test,reference,sglang,bench,server]"
 	# State-capture kernels (pure Python; triton only imported on CUDA, never installed here).
 	$(PIP) -e sgl-kernel-ext
 	# SGLang without its dependency tree (it would pull CUDA torch, sgl-kernel, flashinfer ...).
 	$(PIP) --no-deps sglang==0.5.23
+	# SGLang's grammar backend, imported by its server; --no-deps: its metadata asks for triton (~1 GB, CUDA).
+	$(PIP) --no-deps xgrammar==0.2.7
 	# NIXL: the meta package plus one backend wheel only (the cu12 twin is 250 MB of dead weight on CPU).
 	$(PIP) --no-deps nixl==1.5.1 nixl-cu13==1.5.1 || echo "NIXL unavailable: storage uses the file fallback"
 	# Scale-out: Mooncake Store (L3) and sglang-router. Mooncake's store module links libibverbs.so.1
@@ -50,6 +52,10 @@ test-fast: venv  ## core tests only, small hypothesis budget
 
 test-gpu: venv  ## GPU-only tests (kernels, exactness on CUDA); skipped without CUDA
 	$(PYTEST) test -q -m gpu
+
+ARGS ?=
+cpu-server: venv  ## SGLang's own server on this CPU, in the foreground: make cpu-server ARGS="--enable-histate" (tiny random Qwen3.5, stand-in kernels: docs/sglang.md)
+	$(VPY) -m sglang_cpu.server.launch $(ARGS)
 
 gpu-check:  ## on a lent GPU machine: SGLang's Triton GDN kernels under HiState's capture, the GPU tests (benchmark/gpu_check/README.md)
 	bash benchmark/gpu_check/run.sh

@@ -349,6 +349,7 @@ def test_the_family_check_names_each_recurrent_kind_sglang_knows(sglang_plugins,
     (["--speculative-algorithm", "NEXTN"], "--enable-histate: --speculative-algorithm NEXTN is not supported"),
     (["--speculative-algorithm", "NGRAM"], "--enable-histate: --speculative-algorithm NGRAM is not supported"),
     (["--attn-dp-size", "2"], "--enable-histate: --attn-dp-size 2 is not supported"),
+    (["--pp-size", "2"], "--enable-histate: --pp-size 2 is not supported (HiState's rank agreement rides"),
     (["--disaggregation-mode", "prefill"], "--enable-histate: --disaggregation-mode prefill is not supported"),
     (["--disaggregation-mode", "decode"], "--enable-histate: --disaggregation-mode decode is not supported"),
     (["--mamba-max-states-per-path", "4"], "--enable-histate: --mamba-max-states-per-path 4 is not supported "

@@ -358,3 +358,28 @@ def test_a_kernel_returning_other_rows_drops_the_captures_without_raising(sglang
     track_extend_around(lambda *args, **kwargs: None, None, None, torch.ones(1, 4, 2, 2), ssm_states, metadata)
     assert not capture.ssm_layers  # the layer that copied a conv window was reset by the refused copies
     assert ssm_states[3].eq(1).all() and not ssm_states[[0, 1, 2, 4]].any()
+
+
+def test_captures_the_forward_did_not_fill_never_enter_the_tree(rig_for, monkeypatch):
+    """Fault injection (issue 27, R0): the capture list is dropped on its way to the backend, as SGLang's
+    eager runner dropped it (`dataclasses.replace` of a ForwardBatch whose captures rode on an undeclared
+    attribute). The slots hold whatever an earlier state left, so none may be inserted: each is freed
+    and counted 'unfilled', and the only states in the tree are the ones SGLang's own track filled."""
+    import histate.sglang_plugin.capture as capture
+
+    monkeypatch.setattr(capture, "carrier_class", lambda base: base)  # the field is undeclared again
+    rig = rig_for("fp32")
+    tokens = _tokens(1, 600)
+    free_before = rig.pools.mamba_allocator.available_size()
+    req = rig.request("a", tokens)
+    _serve(rig, [req])
+    metrics = rig.cache.histate.metrics.totals
+    assert metrics[("captures_total", "extra")] == 4
+    assert metrics[("captures_total", "unfilled")] == 4  # the fault fired, and every extra capture was caught
+    assert req._hs_plan == [128, 256, 384, 512, 576]
+    assert [p for p in req._hs_plan if rig.tree_state(tokens, p) is not None] == [576]  # SGLang's own track
+    want = rig.cold_layer_state(req.rid, 576)
+    for got, ref in zip(rig.tree_state(tokens, 576), want):
+        assert (got.to(torch.float64) - ref.to(torch.float64)).abs().max().item() <= TOLERANCE["fp32"][0]
+    rig.cache.sanity_check()
+    assert rig.pools.mamba_allocator.available_size() >= free_before - 2  # unfilled slots went back

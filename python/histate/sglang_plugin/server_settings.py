@@ -105,6 +105,10 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], Any], ...] = (
      lambda r: f"--enable-histate: --disaggregation-mode {_flag(r, 'disaggregation_mode')} is not supported (PD "
                "disaggregation moves KV and state between servers outside HiState's tiers and is not covered by its "
                "tests); drop one of them"),
+    (lambda r: _int_flag(r, "pp_size", 1) > 1,
+     lambda r: f"--enable-histate: --pp-size {_flag(r, 'pp_size')} is not supported (HiState's rank agreement rides "
+               "on the tensor-parallel group's per-step all-reduce, and no HiState test runs pipeline stages); drop "
+               "one of them"),
     (lambda r: _int_flag(r, "mamba_max_states_per_path", -1) != -1,
      lambda r: f"--enable-histate: --mamba-max-states-per-path {_flag(r, 'mamba_max_states_per_path')} is not "
                "supported (after each insert SGLang drops the shallowest device checkpoints past the cap, sglang "
