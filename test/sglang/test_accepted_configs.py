@@ -26,6 +26,8 @@ import pytest
 from histate.sglang_plugin import hooks, plugin
 from histate.sglang_plugin.config import HiStateConfigError
 
+from .test_plugin_cli import _one_line_error
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -33,18 +35,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # scheduler for Mamba there, and the unified pool's page-major KV layout has no CPU attention backend.
 CPU_RESOLVABLE = ["--device", "cpu", "--skip-tokenizer-init", "--mamba-radix-cache-strategy", "no_buffer",
                   "--disable-overlap-schedule", "--histate-device-pool", "static"]
-
-
-def _one_line_error(capsys, run) -> str:
-    """`run()` must end like an argparse error: SystemExit(2), one error line, the last on stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_info:
-        run()
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    errors = [line for line in lines if "error" in line.lower() or "Traceback" in line]
-    assert errors == lines[-1:] and errors[0].startswith("sglang serve: error: "), lines
-    return errors[0]
 
 
 def _prepare(argv):
