@@ -22,17 +22,25 @@ CONTEXT_NUM_TOKENS = 16384
 
 
 def ensure_checkpoint(directory: Path, dtype: str = "float32") -> Path:
-    """Write the checkpoint to `directory` unless the same one is there; return the directory."""
+    """Write the checkpoint to `directory` unless the same one is there; return the directory. Servers
+    started together call this at once: an exclusive lock next to the directory makes one write it and
+    the others wait (the stamp is written last, so a half-written checkpoint is never taken)."""
+    import fcntl
+
     from histate.reference.model import TinyModelSpec
 
     directory = Path(directory)
     spec = TinyModelSpec()
     stamp = {"spec": asdict(spec), "dtype": dtype, "format": 1}
     stamp_path = directory / STAMP
-    if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
-        return directory
-    _write(directory, spec, dtype)
-    stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp_path.is_file() and json.loads(stamp_path.read_text()) == stamp:
+            return directory
+        stamp_path.unlink(missing_ok=True)
+        _write(directory, spec, dtype)
+        stamp_path.write_text(json.dumps(stamp, indent=1) + "\n")
     return directory
 
 
