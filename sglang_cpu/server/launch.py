@@ -16,8 +16,10 @@ CPU needs, each added only when the caller did not give it:
       (the Mamba host pool takes page_first layouts only, pool_host/mamba.py:103; the transfer ops
       bound on CPU are the direct ones)
   --histate-device-pool static   (with --enable-histate only)
-      (HiState's default unified pool implies SGLang's page-major KV layout, which no attention
-      backend that runs on CPU reads; the plugin refuses it with torch_native: docs/sglang.md)
+      (HiState's default unified pool implies SGLang's page-major KV layout, which torch_native does
+      not read; the plugin refuses it with torch_native: docs/sglang.md. The unified pool runs on CPU
+      with `--histate-device-pool unified --attention-backend triton`, which here is the translating
+      stand-in `unified_attention.py`: test/server/test_unified_pool.py)
 
 Stock SGLang and `--enable-histate` go through the same function, so they are launched the same way.
 `python -m sglang_cpu.server.launch [SGLang flags]` runs one in the foreground (`make cpu-server`).

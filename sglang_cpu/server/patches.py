@@ -1,7 +1,9 @@
 """Post-import patches that let SGLang 0.5.23's own server run on a CPU without sgl_kernel or Triton.
 
 Each patch replaces one platform check or one Triton-only kernel that has no CPU path, right after
-the SGLang module holding it is imported (a meta-path hook: no SGLang file is edited). Installed in
+the SGLang module holding it is imported (a meta-path hook: no SGLang file is edited); one, without
+CUDA, points the "triton" attention backend at its CPU stand-in (`unified_attention.py`, which reads
+and writes KV through SGLang's translator, so the unified device pool runs here). Installed in
 every process SGLang starts (`site/sitecustomize.py`); `PATCHES` below is the list docs/sglang.md
 reproduces, each with the SGLang file:line it replaces. Test and bench support only: the plugin's
 production path never imports this package.
@@ -104,6 +106,161 @@ def _unpinned_host_pools(module: Any) -> None:
             cls.__init__ = _unpinned(cls.__init__)
 
 
+class _GridLaunch:
+    """`kernel[grid](*args)` for a torch function (the grid means nothing on a CPU)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __getitem__(self, grid: Any) -> Callable:
+        return self.fn
+
+
+def alloc_extend_kernel(prefix_lens, seq_lens, last_loc, free_page_ptr, out_indices, bs_upper, page_size):
+    """The Triton `alloc_extend_kernel` (kernels/ops/memory/allocator.py:116) as paged.py's own torch
+    version, `alloc_extend_naive`, with the kernel's argument order."""
+    from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
+
+    alloc_extend_naive(prefix_lens, seq_lens, last_loc, free_page_ptr, out_indices, page_size, out_indices.device)
+
+
+def alloc_decode_kernel(seq_lens, last_loc, free_page_ptr, out_indices, bs_upper, page_size):
+    """The Triton `alloc_decode_kernel` (kernels/ops/memory/allocator.py:203) as paged.py's
+    `alloc_decode_naive`; the new-page count it takes is the kernel's own rule (a row whose new token
+    opens a page, (seq_len - 1) % page_size == 0), which the caller's `get_num_new_pages` also counts."""
+    from sglang.srt.mem_cache.allocator.paged import alloc_decode_naive
+
+    num_new_pages = int(((seq_lens - 1) % page_size == 0).sum())
+    alloc_decode_naive(seq_lens, last_loc, free_page_ptr, out_indices, page_size, num_new_pages)
+
+
+def _unified_alloc_torch(module: Any) -> None:
+    # The unified pool's allocator launches the Triton paged-allocation kernels unconditionally
+    # (unified_sub_pool.py:1242 alloc_extend, :1299 alloc_decode), where the static paged allocator
+    # falls back to torch without Triton (paged.py:246-265, :299-318). Bind the torch versions.
+    module.alloc_extend_kernel = _GridLaunch(alloc_extend_kernel)
+    module.alloc_decode_kernel = _GridLaunch(alloc_decode_kernel)
+
+
+def _create_triton_stand_in(runner: Any) -> Any:
+    from .unified_attention import create_backend
+
+    return create_backend(runner)
+
+
+def _triton_attention_stand_in(module: Any) -> None:
+    # SGLang's "triton" attention backend (TritonAttnBackend) has no CPU path. Without CUDA its registry
+    # entry builds the CPU stand-in `unified_attention.TranslatingTorchAttnBackend` instead: torch SDPA
+    # that writes and reads KV through SGLang's KVLocPlan / KVIndexTranslator, as TritonAttnBackend does,
+    # so the unified device pool (page-major layout, allow-list kv_cache_hook.py:812-826) runs on CPU
+    # with SGLang's and HiState's checks unchanged. `--attention-backend torch_native` is untouched.
+    import torch
+
+    if not torch.cuda.is_available():
+        module.ATTENTION_BACKENDS["triton"] = _create_triton_stand_in
+
+
+def _keep_direct_io_on_cpu(module: Any) -> None:
+    # With --enable-unified-memory SGLang moves a page_first_direct host tier to page_first + the
+    # "kernel" io backend (hicache_hook.py:228-244, called at :86): its CUDA direct copies step device
+    # rows by the row width, and the unified pool's per-layer KV views are strided (token-major
+    # entries). On CPU the kernel io ops are CUDA/JIT only (pool_host/mha.py:60-73, 248-251;
+    # pool_host/mamba.py:31-41), while the direct ops bound here (`_host_transfer_ops`, kernels.py) are
+    # torch indexing, which follows each view's strides. Keep the direct io backend on CPU.
+    import torch
+
+    original = module.resolve_unified_memory_layout_io
+    if torch.cuda.is_available() or getattr(original, "__wrapped__", None):
+        return
+
+    def resolve_unified_memory_layout_io(server_args: Any) -> None:
+        return None
+
+    resolve_unified_memory_layout_io.__wrapped__ = original
+    module.resolve_unified_memory_layout_io = resolve_unified_memory_layout_io
+
+
+DIRECT_IO_OPS = ("transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf")
+
+
+def _strided_direct_io(module: Any) -> None:
+    # `_require_packed_device_rows` refuses strided device rows before the direct page-first copies
+    # (pool_host/base.py:342-349, called at mha.py:527, :685): the CUDA kernels step rows by the row
+    # width. The torch stand-ins bound on CPU (kernels.transfer_kv_per_layer_direct_pf_lf,
+    # transfer_kv_all_layer_direct_lf_pf) index each per-layer view by its own strides, so on CPU the
+    # check is waived for those two ops only; every other kernel keeps it.
+    import torch
+
+    cls = getattr(module, "HostKVCache", None)
+    if cls is None or torch.cuda.is_available() or hasattr(cls._require_packed_device_rows, "__wrapped__"):
+        return
+    original = cls._require_packed_device_rows
+
+    def _require_packed_device_rows(self: Any, kernel: str) -> None:
+        if kernel in DIRECT_IO_OPS:
+            return
+        original(self, kernel)
+
+    _require_packed_device_rows.__wrapped__ = original
+    cls._require_packed_device_rows = _require_packed_device_rows
+
+
+class _HostStream:
+    """The current "stream" of a CPU-only process: every op already ran, in program order, on the
+    calling thread, so ordering after a stream or an event is done before it is asked for."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+
+class _CudaWithHostStreams:
+    """`torch.cuda` for one module: `current_stream()` is `_HostStream`, everything else is torch's."""
+
+    def __init__(self, cuda: Any):
+        self._cuda = cuda
+
+    def current_stream(self, device: Any = None) -> _HostStream:
+        return _HostStream()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cuda, name)
+
+
+class _TorchWithHostStreams:
+    """`torch` as one module sees it: torch itself, but `torch.cuda.current_stream()` is `_HostStream`."""
+
+    def __init__(self, torch_module: Any):
+        self._torch = torch_module
+        self.cuda = _CudaWithHostStreams(torch_module.cuda)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+
+def _unified_allocator_streams(module: Any) -> None:
+    # The unified allocator orders its frees and compaction moves after HiCache copies and the forward
+    # with `torch.cuda.current_stream().wait_event(...)` / `.wait_stream(...)` / `.synchronize()`
+    # (unified_sub_pool.py:1348, 1569, 1711, 1810, 1908, 2100-2104, 2158), unconditionally; without CUDA
+    # the first such call raises "Torch not compiled with CUDA enabled" (seen at :2100 when a full
+    # device pool flushes for an allocation). On a CPU-only host they order nothing. The module's own
+    # `torch` global is swapped for a view of torch whose `cuda.current_stream()` is a no-op stream;
+    # no other module sees it.
+    import torch
+
+    if torch.cuda.is_available() or isinstance(module.torch, _TorchWithHostStreams):
+        return
+    module.torch = _TorchWithHostStreams(torch)
+
+
 PATCHES = (
     Patch("sglang.srt.arg_groups.mamba_hook", "extra_buffer_platform",
           "srt/arg_groups/mamba_hook.py:102-112 (asserted at :120)", _extra_buffer_platform),
@@ -124,6 +281,17 @@ PATCHES = (
           _unpinned_host_pools),
     Patch("sglang.srt.mem_cache.pool_host.mamba", "unpinned_host_pools",
           "srt/mem_cache/pool_host/mamba.py:83-118", _unpinned_host_pools),
+    Patch("sglang.srt.mem_cache.allocator.unified_sub_pool", "unified_alloc_torch",
+          "srt/mem_cache/allocator/unified_sub_pool.py:52-55 (launched at :1242, :1299)", _unified_alloc_torch),
+    Patch("sglang.srt.mem_cache.allocator.unified_sub_pool", "unified_allocator_streams",
+          "srt/mem_cache/allocator/unified_sub_pool.py:1348, 1569, 1711, 1810, 1908, 2100-2104, 2158",
+          _unified_allocator_streams),
+    Patch("sglang.srt.layers.attention.attention_registry", "triton_attention_stand_in",
+          "srt/layers/attention/attention_registry.py:206-214 (create_triton_backend)", _triton_attention_stand_in),
+    Patch("sglang.srt.arg_groups.hicache_hook", "keep_direct_io_on_cpu",
+          "srt/arg_groups/hicache_hook.py:228-244 (called at :86)", _keep_direct_io_on_cpu),
+    Patch("sglang.srt.mem_cache.pool_host.base", "strided_direct_io",
+          "srt/mem_cache/pool_host/base.py:342-349 (called at mha.py:527, :685)", _strided_direct_io),
 )
 
 

@@ -97,3 +97,24 @@ def test_admission_on_the_unified_pool_matches_what_eviction_frees(sglang_plugin
     # The rounds did lean on the ledger: most batches needed more state slots than were free
     # (HiState 20 of 30 rounds, stock 19) and their allocation evicted tree states (22 and 22).
     assert admitted_past_free_slots >= ROUNDS // 2 and evicted_for_states >= ROUNDS // 2
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_a_kv_token_costs_its_bytes_on_both_device_pools(sglang_plugins, unified):
+    """Eq. 3-7 price a checkpoint in KV tokens (N_s = state bytes / KV bytes per token). SGLang's
+    unified sub-pools report 0 from `get_kv_size_bytes()`, which once made a KV token 1 byte on HiState's
+    default pool and suppressed every interval checkpoint. Expected here from the geometry alone: two
+    full-attention layers x (K + V) x 1 head x 8 dims x 2 bytes (bf16) = 64 bytes."""
+    from sglang_cpu.pools import FULL_LAYERS, build_pools
+
+    from histate.sglang_plugin.tree_cache import kv_bytes_per_token
+
+    publish_server_args(page_size=1, chunk_tokens=16)
+    pools = build_unified_pools(kv_tokens=1024, mamba_slots=4) if unified else build_pools(1024, 4)
+    kvcache = pools.allocator.get_kvcache()
+    pool = getattr(kvcache, "full_kv_pool", kvcache)
+    head_num, head_dim, itemsize = 1, 8, 2
+    if not unified:
+        head_num, head_dim = pool.head_num, pool.head_dim
+        itemsize = pool.k_buffer[0].element_size()
+    assert kv_bytes_per_token(kvcache) == len(FULL_LAYERS) * 2 * head_num * head_dim * itemsize

@@ -35,13 +35,16 @@ logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_token(kvcache: Any) -> int:
-    """Device KV bytes of one token over every full-attention layer."""
-    total = kvcache.get_kv_size_bytes()
-    total = sum(total) if isinstance(total, tuple) else total
+    """Device KV bytes of one token over every full-attention layer: one row of each layer's K and V
+    view. Not `get_kv_size_bytes()`: SGLang's unified sub-pools report 0 there on purpose (the unified
+    pool logs the total; unified_memory_pool.py:870-871, 1010-1011, 1973-1974), which made this 1 byte
+    on HiState's default device pool, priced a checkpoint at ~1,000x its KV worth in eq. 5 and so
+    planned no interval checkpoint (found on SGLang's own server, issue 27)."""
     pool = getattr(kvcache, "full_kv_pool", kvcache)
-    buffers = getattr(pool, "k_buffer", None)
-    rows = buffers[0].shape[0] if buffers else kvcache.size + kvcache.page_size
-    return max(1, int(total) // int(rows))
+    views = [*(getattr(pool, "k_buffer", None) or ()), *(getattr(pool, "v_buffer", None) or ())]
+    if not views:
+        raise TypeError(f"HiState: no per-layer K/V views on {type(pool).__name__} to size a KV token by")
+    return sum(view[0].numel() * view.element_size() for view in views)
 
 
 def device_bytes(params: Any, kv_bytes_per_token: int, state_bytes: int) -> int:

@@ -1,0 +1,150 @@
+"""HiState's default device pool (SGLang's unified pool, page-major KV) answers as stock SGLang cold (R3).
+
+`--histate-device-pool unified` implies SGLang's `--enable-unified-memory` and its page-major KV layout,
+where a KV slot's virtual id (`req_to_token`) and physical id (where the pool keeps it) differ, so
+attention must write through the iteration's `KVLocPlan` and read through the `KVIndexTranslator`.
+SGLang's CPU backend, torch_native, does neither and is refused (test_launch_refusals.py). This server
+runs `--attention-backend triton`, which on this CPU is the stand-in
+`sglang_cpu.server.unified_attention.TranslatingTorchAttnBackend` (torch_native's SDPA, KV written with
+the plan's physical write ids and read through `KVIndexTranslator.read_table`; patches.py), with SGLang's
+and HiState's allow-lists unchanged. The unified allocator's Triton kernels and the host tier's copies
+run as torch stand-ins too (patches.py).
+
+Compared with stock SGLang's cold answers (torch_native, static pool, radix cache disabled) to 1e-5 in
+fp32: in-pass capture patterns on the untouched tree (as test_captures_exact.py; the interval one found
+HiState sizing a KV token at 1 byte on this pool, fixed in `tree_cache.kv_bytes_per_token`), then a
+multi-turn agent session (as test_answers.py) with hits on every later turn.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from .client import PAGE_NUM_TOKENS, AgentSession, common_prefix_len, generate, get_text, tokens
+from .conftest import REFERENCE_ARGS
+
+LOGPROB_TOLERANCE = 1e-5
+# What the stand-in logs in the scheduler (unified_attention.STAND_IN_NOTICE, TRANSLATED_READ_NOTICE;
+# that module imports SGLang, which this process does not)
+STAND_IN_NOTICE = "attention backend 'triton' is the CPU stand-in sglang_cpu.server.unified_attention"
+TRANSLATED_READ_NOTICE = "unified pool: attention read physical ids that differ from req_to_token's"
+# A small device pool (KV and states share its bytes: the unified pool): 1,024 tokens of KV and 8 states,
+# so that one prompt pushes another's KV and state to the host (`test_a_prefix_that_left_the_device_...`);
+# the host is 4x that.
+UNIFIED_ARGS = ("--enable-histate", "--histate-device-pool", "unified", "--attention-backend", "triton",
+                "--enable-metrics", "--max-total-tokens", "1024", "--max-mamba-cache-size", "8",
+                "--hicache-ratio", "4")
+
+
+@pytest.fixture(scope="module")
+def pair(fleet):
+    """(stock cold reference, HiState on the unified pool); the reference is shared with other files. The
+    capture test comes first: which states its hits can come from follows from its stream only on a tree
+    nobody touched, and HiState's interval plan reads the server's history (test_captures_exact.py)."""
+    return fleet.get(("reference", REFERENCE_ARGS), ("unified", UNIFIED_ARGS))
+
+
+def _captures(url: str) -> dict:
+    text = get_text(url + "/metrics")
+    return {result: float(value) for result, value in
+            re.findall(r'histate_captures_total\{[^}]*result="(\w+)"[^}]*\} ([0-9.e+]+)', text)}
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the series of `name` on SGLang's /metrics whose labels include `labels`."""
+    total = 0.0
+    for line in get_text(url + "/metrics").splitlines():
+        if line.startswith(f"sglang:{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _exact(reference, served_by, where: str, prompt: list):
+    cold, served = generate(reference.url, prompt), generate(served_by.url, prompt)
+    assert cold.cached_tokens == 0, where
+    assert served.output_ids == cold.output_ids, f"{where}: greedy answer differs from stock's cold one"
+    gap = served.max_logprob_gap(cold)
+    assert gap <= LOGPROB_TOLERANCE, f"{where} (cached {served.cached_tokens}): logprobs {gap:.2e} off a cold prefill"
+    assert served.cached_tokens % PAGE_NUM_TOKENS == 0, where
+    return served
+
+
+def test_resuming_from_a_branch_point_captured_inside_a_pass_is_exact(pair):
+    """S (320 tokens), X2 = S + 192, Y2 = S + 149 (diverges from X2 at 320, inside Y2's pass), V2 = S + 144:
+    V2 can resume at 320 only from the state Y2's pass captured at its branch point (neither prompt
+    ends there), written by the GDN layers into a unified-pool slot and read back through it."""
+    reference, unified = pair
+    rng = random.Random(5)
+    s = tokens(rng, 320)
+    x2, y2, v2 = s + tokens(rng, 192), s + tokens(rng, 149), s + tokens(rng, 144)
+    _exact(reference, unified, "X2", x2)
+    before = _captures(unified.url)
+    _exact(reference, unified, "Y2", y2)
+    assert _captures(unified.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
+    assert _exact(reference, unified, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
+    assert _captures(unified.url).get("unfilled", 0) == 0
+
+
+def test_resuming_from_an_interval_capture_inside_a_pass_is_exact(pair):
+    """X (512 new tokens), then Y = X[:256] + 149: a hit of Y strictly inside (0, 512) can only be a
+    state captured inside X's pass (test_captures_exact.py). This found HiState sizing a KV token on
+    the unified pool at 1 byte (SGLang's unified sub-pools report 0 from `get_kv_size_bytes()`), which
+    planned no interval checkpoint at all (`tree_cache.kv_bytes_per_token`)."""
+    reference, unified = pair
+    rng = random.Random(3)
+    x = tokens(rng, 512)
+    y = x[:256] + tokens(rng, 149)
+    before = _captures(unified.url)
+    assert _exact(reference, unified, "X", x).cached_tokens == 0
+    served_y = _exact(reference, unified, "Y", y)
+    assert _captures(unified.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
+    assert 0 < served_y.cached_tokens < len(x), f"Y resumed at {served_y.cached_tokens}: not from inside X's pass"
+
+
+def test_a_multi_turn_session_on_the_unified_pool_answers_as_stock_cold(pair):
+    reference, unified = pair
+    session = AgentSession(0, tokens(random.Random(7), 2 * PAGE_NUM_TOKENS + 17))
+    seen: list = []
+    report = []
+    for turn, kind in enumerate(AgentSession.KINDS):
+        prompt = session.next_prompt(turn)
+        where = f"turn {turn} ({kind}, {len(prompt)} tokens)"
+        served = _exact(reference, unified, where, prompt)
+        bound = max((common_prefix_len(prompt, context) for context in seen), default=0)
+        assert served.cached_tokens <= min(bound, len(prompt) - 1), f"{where}: {served.cached_tokens} cached"
+        if turn > 0:
+            assert served.cached_tokens > 0, f"{where}: nothing served from the cache"
+        report.append(f"{where}: cached {served.cached_tokens} of a {bound}-token shared prefix")
+        session.record(prompt, served)
+        seen.extend([prompt, session.contexts[-1]])
+    print("\n".join(report))
+
+
+def test_a_prefix_that_left_the_device_is_loaded_back_from_the_host_exactly(pair):
+    """A (640 tokens), then a 640-token prompt, which cannot fit next to A in the 1,024-token device pool
+    and so pushes A off it, then A + 24: served from the host tier (its KV copied back into the unified
+    pool's strided per-layer rows, its state into a unified-pool slot) and answered as stock cold."""
+    reference, unified = pair
+    rng = random.Random(1)
+    a = tokens(rng, 640)
+    _exact(reference, unified, "A", a)
+    generate(unified.url, tokens(rng, 640))
+    host_hits, loaded = _metric(unified.url, "histate_prefix_hits_total", tier="host"), \
+        _metric(unified.url, "load_back_tokens_total", pool="kv")
+    served = _exact(reference, unified, "A + 24", a + tokens(rng, 24))
+    assert served.cached_tokens == len(a), f"A + 24 reused {served.cached_tokens} tokens"
+    assert _metric(unified.url, "histate_prefix_hits_total", tier="host") > host_hits, "the hit was not the host's"
+    assert _metric(unified.url, "load_back_tokens_total", pool="kv") >= loaded + served.cached_tokens
+
+
+def test_the_server_runs_the_unified_pool_through_the_translating_stand_in(pair):
+    _, unified = pair
+    log = unified.log_path.read_text(errors="replace")
+    assert "'enable_unified_memory': True" in log and "'enable_page_major_kv_layout': True" in log
+    assert "UNIFIED MEMORY POOL ENABLED" in log
+    assert STAND_IN_NOTICE in log, "the 'triton' backend is not the CPU stand-in"
+    # The pool's physical ids differ from the virtual ones the scheduler stores, so a read of raw
+    # req_to_token rows (what torch_native does) would read other slots than the ones written.
+    assert TRANSLATED_READ_NOTICE in log
