@@ -6,13 +6,16 @@ disabled, so every answer there is a cold prefill; HiState resumes from whatever
 or SSD, in-pass captures included). Three agent sessions of six turns each, interleaved: every turn
 extends, truncates, forks or edits the context the previous turns built. Expectations are computed
 here, independently of HiState: the reference's answers, and bounds on `cached_tokens` from the
-request stream alone (page-aligned, never beyond the longest prefix shared with an earlier context).
+request stream alone (page-aligned, never beyond the longest prefix shared with an earlier context);
+and what users see in `cached_tokens` must be what HiState's tree matched (its own counter).
 """
 from __future__ import annotations
 
 import random
 
-from .client import PAGE_NUM_TOKENS, AgentSession, common_prefix_len, generate, tokens
+import re
+
+from .client import PAGE_NUM_TOKENS, AgentSession, common_prefix_len, generate, get_text, tokens
 
 LOGPROB_TOLERANCE = 1e-5  # fp32: rounding is ~1e-6; a wrong state moves logprobs by ~1e-3 (capture-live.md)
 NUM_SESSIONS, NUM_TURNS = 3, 6
@@ -23,7 +26,8 @@ def test_multi_turn_sessions_answer_as_stock_sglang_cold(servers):
     system_prompt = tokens(random.Random(7), 5 * PAGE_NUM_TOKENS + 17)  # shared by every session
     sessions = [AgentSession(s, system_prompt) for s in range(NUM_SESSIONS)]
     seen: list = []  # every context (prompt + answer) the servers have been sent so far
-    report, hits = [], 0
+    report, hits, cached_total = [], 0, 0
+    reused_before = _reused_tokens(histate.url)
     for turn in range(NUM_TURNS):
         for session in sessions:
             prompt = session.next_prompt(turn)
@@ -38,6 +42,7 @@ def test_multi_turn_sessions_answer_as_stock_sglang_cold(servers):
             assert served.cached_tokens % PAGE_NUM_TOKENS == 0, where
             assert served.cached_tokens <= min(bound, len(prompt) - 1), f"{where}: {served.cached_tokens} cached"
             hits += served.cached_tokens > 0
+            cached_total += served.cached_tokens
             report.append(f"{where}: cached {served.cached_tokens} of a {bound}-token shared prefix, gap {gap:.1e}")
             session.record(prompt, served)
             seen.extend([prompt, session.contexts[-1]])
@@ -45,3 +50,11 @@ def test_multi_turn_sessions_answer_as_stock_sglang_cold(servers):
     # Every turn after the first shares at least the system prompt: a cache that served nothing would
     # make the comparison above vacuous.
     assert hits >= NUM_SESSIONS * (NUM_TURNS - 1), report
+    # What users see in `cached_tokens` is what HiState's tree matched at admission (its metric counts
+    # the depth of the checkpoint each match used): the two never drift apart.
+    assert _reused_tokens(histate.url) - reused_before == cached_total
+
+
+def _reused_tokens(url: str) -> float:
+    return sum(float(v) for v in re.findall(r"^sglang:histate_reused_tokens_total\{[^}]*\} ([0-9.e+]+)$",
+                                            get_text(url + "/metrics"), flags=re.M))
