@@ -91,6 +91,7 @@ def test_flush_restart_and_sigkill_leave_hits_and_exact_answers(servers, fleet, 
     (small,) = fleet.get(("small", small_args))
     for prompt in burst + [_probe(p) for p in prompts[:4]]:
         _exact(reference, small, prompt)
+    fleet.stop("small")  # nothing else uses it: give its memory back to the rest of the session
 
 
 def _swallow(url: str, prompt: list) -> None:
