@@ -21,27 +21,12 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from sglang_cpu import gdn_kernels
-
-CALLS: dict = {}  # op name -> number of calls in this process (read by tests through the trace log)
-
-
-def _counted(fn: Callable) -> Callable:
-    name = fn.__name__
-
-    def op(*args: Any, **kwargs: Any) -> Any:
-        CALLS[name] = CALLS.get(name, 0) + 1
-        return fn(*args, **kwargs)
-
-    op.__name__ = name
-    op.__doc__ = fn.__doc__
-    return op
-
 
 # ---- scheduling ----------------------------------------------------------------------------------
 
@@ -198,7 +183,7 @@ KVCACHEIO_OPS = (transfer_kv_direct, transfer_kv_per_layer_direct_pf_lf, transfe
 
 # ---- install -------------------------------------------------------------------------------------
 
-_OPS = {name: _counted(fn) for name, fn in dict(globals()).items() if name.endswith("_cpu") and callable(fn)}
+_OPS = {name: fn for name, fn in dict(globals()).items() if name.endswith("_cpu") and callable(fn)}
 
 
 class _OpNamespace(types.ModuleType):

@@ -217,7 +217,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dtype = _value(args, "--dtype") or "float32"
     model_dir = Path(_value(args, "--model-path") or DEFAULT_MODEL_DIR / dtype)
     port = int(_value(args, "--port") or 30000)
-    ensure_checkpoint(model_dir, dtype) if not _given(args, "--model-path") else None
+    if not _given(args, "--model-path"):
+        ensure_checkpoint(model_dir, dtype)
     full = server_args(args, model_dir, port, dtype)
     print(f"SGLang {'with HiState' if _given(args, '--enable-histate') else 'stock'} on CPU (tiny random "
           f"{dtype} Qwen3.5 at {model_dir}; stand-in kernels, docs/sglang.md). Try:\n"

@@ -8,18 +8,13 @@ subprocess, with the repository's CPU stubs for triton/torchvision/datasets (sgl
 """
 import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from histate.reference.tokenizer import CharTokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
+from test.server.client import run_sglang_module
 
 
 def test_every_id_is_one_character_and_decode_then_encode_is_the_identity():
@@ -56,9 +51,7 @@ def test_sglang_bench_serving_measures_ttft_and_lengths(histate_server, tmp_path
     argv = ["--backend", backend, "--base-url", histate_server.url, "--dataset-name", "random-ids",
             "--num-prompts", "3", "--random-input-len", "150", "--random-output-len", "6", "--random-range-ratio", "1",
             "--output-file", str(out), "--output-details", "--disable-tqdm", "--warmup-requests", "1"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(ROOT / "sglang_cpu" / "stubs.py"), "sglang.bench_serving", *argv],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = run_sglang_module("sglang.bench_serving", argv)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["completed"] == 3, result.get("errors")

@@ -8,13 +8,20 @@ answer) extended, truncated, forked from an earlier turn, or edited in the middl
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import subprocess
+import sys
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 PAGE_NUM_TOKENS = 64  # the servers' --page-size (sglang_cpu.server.launch defaults)
 TOKEN_RANGE = (3, 500)  # ids inside the tiny model's 512-token vocabulary, clear of special ids
+LOGPROB_TOLERANCE = 1e-5  # fp32: rounding is ~1e-6; a wrong state moves logprobs by ~1e-3 (capture-live.md)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,49 @@ def generate(base_url: str, input_ids: list, max_new_tokens: int = 8) -> Answer:
     meta = out["meta_info"]
     return Answer(tuple(out["output_ids"]), int(meta["cached_tokens"]),
                   tuple(float(entry[0]) for entry in meta["output_token_logprobs"]))
+
+
+def assert_exact(reference: object, served_by: object, where: str, prompt: list) -> Answer:
+    """Send `prompt` to both servers: the reference (stock SGLang, radix cache disabled) answers cold;
+    the other must give the same greedy ids, logprobs within LOGPROB_TOLERANCE, and a page-aligned hit.
+    Returns the served answer."""
+    cold, served = generate(reference.url, prompt), generate(served_by.url, prompt)
+    assert cold.cached_tokens == 0, where
+    assert served.output_ids == cold.output_ids, f"{where}: greedy answer differs from stock's cold one"
+    gap = served.max_logprob_gap(cold)
+    assert gap <= LOGPROB_TOLERANCE, f"{where} (cached {served.cached_tokens}): logprobs {gap:.2e} off a cold prefill"
+    assert served.cached_tokens % PAGE_NUM_TOKENS == 0, where
+    return served
+
+
+def metric_series(base_url: str, name: str) -> dict:
+    """{label set: value} of one metric family on SGLang's /metrics (`sglang:` prefix)."""
+    text = get_text(base_url + "/metrics")
+    return {labels: float(value) for labels, value in
+            re.findall(rf"^sglang:{name}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, flags=re.M)}
+
+
+def metric_sum(base_url: str, name: str, **labels: str) -> float:
+    """Sum of the series of `name` whose labels include `labels`."""
+    return sum(value for label_set, value in metric_series(base_url, name).items()
+               if all(f'{k}="{v}"' in label_set for k, v in labels.items()))
+
+
+def capture_counts(base_url: str) -> dict:
+    """HiState's `histate_captures_total` by result (tracked, extra, unfilled, ...)."""
+    counts: dict = {}
+    for label_set, value in metric_series(base_url, "histate_captures_total").items():
+        result = re.search(r'result="(\w+)"', label_set).group(1)
+        counts[result] = counts.get(result, 0.0) + value
+    return counts
+
+
+def run_sglang_module(module: str, argv: list, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
+    """`python -m module argv...` for a client that imports sglang (bench_serving): with the project's
+    CPU import stubs (sglang_cpu/stubs.py), offline."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "sglang_cpu" / "stubs.py"), module, *argv],
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
 def flush_cache(base_url: str) -> None:

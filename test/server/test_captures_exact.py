@@ -19,25 +19,8 @@ Each answer is compared with stock SGLang's cold one (radix cache disabled) to 1
 from __future__ import annotations
 
 import random
-import re
 
-from .client import PAGE_NUM_TOKENS, generate, get_text, tokens
-
-LOGPROB_TOLERANCE = 1e-5
-
-
-def _captures(url: str) -> dict:
-    text = get_text(url + "/metrics")
-    return {result: float(value) for result, value in
-            re.findall(r'histate_captures_total\{[^}]*result="(\w+)"[^}]*\} ([0-9.e+]+)', text)}
-
-
-def _exact(reference, histate, name: str, prompt: list):
-    cold, served = generate(reference.url, prompt), generate(histate.url, prompt)
-    assert served.output_ids == cold.output_ids, f"{name}: greedy answer differs from a cold prefill"
-    gap = served.max_logprob_gap(cold)
-    assert gap <= LOGPROB_TOLERANCE, f"{name} (cached {served.cached_tokens}): logprobs {gap:.2e} off a cold prefill"
-    return served
+from .client import PAGE_NUM_TOKENS, assert_exact, capture_counts, tokens
 
 
 def test_resuming_from_in_pass_captures_is_exact(servers):
@@ -47,20 +30,20 @@ def test_resuming_from_in_pass_captures_is_exact(servers):
     y = x[:256] + tokens(rng, 149)
     z = y + tokens(rng, 139)
     w = z + tokens(rng, 150)
-    before = _captures(fresh.url)
-    assert _exact(reference, fresh, "X", x).cached_tokens == 0
-    assert _captures(fresh.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
-    served_y = _exact(reference, fresh, "Y", y)
+    before = capture_counts(fresh.url)
+    assert assert_exact(reference, fresh, "X", x).cached_tokens == 0
+    assert capture_counts(fresh.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
+    served_y = assert_exact(reference, fresh, "Y", y)
     assert 0 < served_y.cached_tokens < len(x) and served_y.cached_tokens % PAGE_NUM_TOKENS == 0, \
         f"Y resumed at {served_y.cached_tokens}: not from a state inside X's pass"
     for name, prompt in (("Z", z), ("W", w)):
-        assert _exact(reference, fresh, name, prompt).cached_tokens > served_y.cached_tokens
+        assert assert_exact(reference, fresh, name, prompt).cached_tokens > served_y.cached_tokens
 
     s = tokens(rng, 320)
     x2, y2, v2 = s + tokens(rng, 192), s + tokens(rng, 149), s + tokens(rng, 144)
-    _exact(reference, fresh, "X2", x2)
-    before = _captures(fresh.url)
-    _exact(reference, fresh, "Y2", y2)
-    assert _captures(fresh.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
-    assert _exact(reference, fresh, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
-    assert _captures(fresh.url).get("unfilled", 0) == 0
+    assert_exact(reference, fresh, "X2", x2)
+    before = capture_counts(fresh.url)
+    assert_exact(reference, fresh, "Y2", y2)
+    assert capture_counts(fresh.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
+    assert assert_exact(reference, fresh, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
+    assert capture_counts(fresh.url).get("unfilled", 0) == 0

@@ -10,23 +10,10 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
-from .client import get_text
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _series(text: str, name: str) -> dict:
-    """{labels: value} of one metric family in Prometheus text."""
-    out = {}
-    for labels, value in re.findall(rf"^sglang:{name}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, flags=re.M):
-        out[labels] = float(value)
-    return out
+from .client import ROOT, metric_series, run_sglang_module
 
 
 def test_sglang_bench_serving_against_histate(servers, tmp_path):
@@ -34,9 +21,7 @@ def test_sglang_bench_serving_against_histate(servers, tmp_path):
     argv = ["--backend", "sglang", "--base-url", servers.histate.url, "--dataset-name", "random-ids",
             "--num-prompts", "8", "--random-input-len", "300", "--random-output-len", "8",
             "--random-range-ratio", "1", "--output-file", str(out), "--disable-tqdm"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(ROOT / "sglang_cpu" / "stubs.py"), "sglang.bench_serving", *argv],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = run_sglang_module("sglang.bench_serving", argv)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text().splitlines()[-1])
     assert result["completed"] == 8, result.get("errors")
@@ -58,16 +43,16 @@ def test_histate_bench_against_sglang_with_histate(servers, tmp_path):
 
 
 def test_histate_counters_on_sglangs_metrics(servers):
-    text = get_text(servers.histate.url + "/metrics")
-    hits = _series(text, "histate_prefix_hits_total")
+    url = servers.histate.url
+    hits = metric_series(url, "histate_prefix_hits_total")
     assert hits and sum(hits.values()) > 0, "no HiState hit counted"
     assert all('tp_rank="0"' in labels for labels in hits)
-    captures = _series(text, "histate_captures_total")
+    captures = metric_series(url, "histate_captures_total")
     assert sum(v for k, v in captures.items() if 'result="tracked"' in k) > 0
     assert sum(v for k, v in captures.items() if 'result="unfilled"' in k) == 0
-    assert sum(_series(text, "histate_ssd_written_bytes_total").values()) > 0
-    assert sum(_series(text, "histate_input_tokens_total").values()) > 0
+    assert sum(metric_series(url, "histate_ssd_written_bytes_total").values()) > 0
+    assert sum(metric_series(url, "histate_input_tokens_total").values()) > 0
     # SGLang's own series next to them: its cache hit accounting and storage histograms fed by get_stats
-    assert _series(text, "num_requests_total") or _series(text, "prompt_tokens_total")
-    backups = _series(text, "backup_pgs_count")
+    assert metric_series(url, "num_requests_total") or metric_series(url, "prompt_tokens_total")
+    backups = metric_series(url, "backup_pgs_count")
     assert backups and sum(backups.values()) > 0, "SGLang's storage metrics saw no HiState backup"

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 import urllib.request
 
 import pytest
 
-from .client import generate, get_text, tokens
+from .client import LOGPROB_TOLERANCE, generate, metric_sum, tokens
 from .conftest import HISTATE_ARGS
 
-LOGPROB_TOLERANCE = 1e-5
 
 
 def _via_router(router_url: str, ids: list, key: str):
@@ -33,11 +31,6 @@ def _via_router(router_url: str, ids: list, key: str):
     with urllib.request.urlopen(request, timeout=600) as response:
         out = json.load(response)
     return out["output_ids"], int(out["meta_info"]["cached_tokens"]), [e[0] for e in out["meta_info"]["output_token_logprobs"]]
-
-
-def _counter(url: str, name: str, label: str = "") -> float:
-    return sum(float(v) for labels, v in re.findall(rf"^sglang:{name}(\{{[^}}]*\}})? ([0-9.e+-]+)$",
-                                                     get_text(url + "/metrics"), flags=re.M) if label in labels)
 
 
 def test_a_moved_session_resumes_from_l3_and_answers_exactly(servers, fleet, ssd_root, tmp_path):
@@ -53,24 +46,24 @@ def test_a_moved_session_resumes_from_l3_and_answers_exactly(servers, fleet, ssd
         workers = fleet.get(*specs, env=mooncake.env)
         try:
             with Router([w.url for w in workers], log_dir=tmp_path) as router:
-                before = {w.url: _counter(w.url, "histate_input_tokens_total") for w in workers}  # warm-up requests
+                before = {w.url: metric_sum(w.url, "histate_input_tokens_total") for w in workers}  # warm-up requests
                 rng = random.Random(21)
                 context = tokens(rng, 700)
                 for _ in range(2):
                     ids, _, _ = _via_router(router.url, context, "session-1")
                     context = context + ids + tokens(rng, 150)
-                served = lambda w: _counter(w.url, "histate_input_tokens_total") - before[w.url]
+                served = lambda w: metric_sum(w.url, "histate_input_tokens_total") - before[w.url]
                 first = max(workers, key=served)
                 other = next(w for w in workers if w is not first)
                 assert served(other) == 0, "the router split the session"
                 deadline = time.monotonic() + 60
-                while _counter(first.url, "histate_l3_written_bytes_total") == 0 and time.monotonic() < deadline:
+                while metric_sum(first.url, "histate_l3_written_bytes_total") == 0 and time.monotonic() < deadline:
                     time.sleep(0.2)
-                assert _counter(first.url, "histate_l3_written_bytes_total") > 0, "nothing reached L3"
+                assert metric_sum(first.url, "histate_l3_written_bytes_total") > 0, "nothing reached L3"
                 router.remove_worker(first.url)
                 ids, cached, logprobs = _via_router(router.url, context, "session-1")
                 assert served(other) > 0, "the moved turn did not reach the other server"
-                assert cached > 0 and _counter(other.url, "histate_l3_pages_total", 'result="hit"') > 0, \
+                assert cached > 0 and metric_sum(other.url, "histate_l3_pages_total", result="hit") > 0, \
                     f"the moved session resumed from nothing in L3 (cached {cached})"
                 cold = generate(servers.reference.url, context)
                 assert list(cold.output_ids) == ids

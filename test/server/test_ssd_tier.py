@@ -18,11 +18,10 @@ import threading
 
 import pytest
 
-from .client import flush_cache, generate, get_text, tokens
+from .client import assert_exact, flush_cache, generate, metric_sum, tokens
 from .conftest import HISTATE_ARGS
 
 NUM_PROMPTS, PROMPT_NUM_TOKENS = 16, 900
-LOGPROB_TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -40,37 +39,23 @@ def _probe(prompt: list) -> list:
     return prompt + [5 + i % 300 for i in range(100)]
 
 
-def _exact(reference, server, prompt: list):
-    cold, served = generate(reference.url, prompt), generate(server.url, prompt)
-    assert served.output_ids == cold.output_ids
-    assert served.max_logprob_gap(cold) <= LOGPROB_TOLERANCE
-    return served
-
-
 def _ssd_hits(reference, server, prompts: list) -> list:
     """cached_tokens of each earlier prompt, extended, asked again (each answer checked exact)."""
-    return [_exact(reference, server, _probe(p)).cached_tokens for p in prompts[:4]]
-
-
-def _metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in get_text(url + "/metrics").splitlines():
-        if line.startswith(f"sglang:{name}"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return [assert_exact(reference, server, f"prompt {i} + 100", _probe(p)).cached_tokens
+            for i, p in enumerate(prompts[:4])]
 
 
 def test_flush_restart_and_sigkill_leave_hits_and_exact_answers(servers, fleet, small_args, prompts):
     reference = servers.reference
     (small,) = fleet.get(("small", small_args))
-    for prompt in prompts:
-        _exact(reference, small, prompt)
-    assert _metric(small.url, "histate_kv_demoted_tokens_total") > 0, "no host KV reached the SSD"
+    for i, prompt in enumerate(prompts):
+        assert_exact(reference, small, f"prompt {i}", prompt)
+    assert metric_sum(small.url, "histate_kv_demoted_tokens_total") > 0, "no host KV reached the SSD"
 
     flush_cache(small.url)
     after_flush = _ssd_hits(reference, small, prompts)
     assert max(after_flush) >= 512, f"nothing served from the SSD after a flush: {after_flush}"
-    assert _metric(small.url, "histate_ssd_read_bytes_total") > 0
+    assert metric_sum(small.url, "histate_ssd_read_bytes_total") > 0
 
     fleet.stop("small")
     (small,) = fleet.get(("small", small_args))
@@ -89,8 +74,8 @@ def test_flush_restart_and_sigkill_leave_hits_and_exact_answers(servers, fleet, 
         thread.join(timeout=120)
     fleet.stop("small")
     (small,) = fleet.get(("small", small_args))
-    for prompt in burst + [_probe(p) for p in prompts[:4]]:
-        _exact(reference, small, prompt)
+    for i, prompt in enumerate(burst + [_probe(p) for p in prompts[:4]]):
+        assert_exact(reference, small, f"after the SIGKILL, request {i}", prompt)
     fleet.stop("small")  # nothing else uses it: give its memory back to the rest of the session
 
 
@@ -105,7 +90,7 @@ def _wait_for_ssd_writes(url: str, timeout_s: float = 60.0) -> None:
     """Until the server has written to the SSD since the burst began (so the kill lands mid-write)."""
     import time
 
-    start = _metric(url, "histate_ssd_written_bytes_total")
+    start = metric_sum(url, "histate_ssd_written_bytes_total")
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _metric(url, "histate_ssd_written_bytes_total") <= start:
+    while time.monotonic() < deadline and metric_sum(url, "histate_ssd_written_bytes_total") <= start:
         time.sleep(0.05)

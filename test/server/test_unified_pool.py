@@ -18,14 +18,13 @@ multi-turn agent session (as test_answers.py) with hits on every later turn.
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 
-from .client import PAGE_NUM_TOKENS, AgentSession, common_prefix_len, generate, get_text, tokens
+from .client import (PAGE_NUM_TOKENS, AgentSession, assert_exact, capture_counts, common_prefix_len, generate,
+                     metric_sum, tokens)
 from .conftest import REFERENCE_ARGS
 
-LOGPROB_TOLERANCE = 1e-5
 # What the stand-in logs in the scheduler (unified_attention.STAND_IN_NOTICE, TRANSLATED_READ_NOTICE;
 # that module imports SGLang, which this process does not)
 STAND_IN_NOTICE = "attention backend 'triton' is the CPU stand-in sglang_cpu.server.unified_attention"
@@ -46,31 +45,6 @@ def pair(fleet):
     return fleet.get(("reference", REFERENCE_ARGS), ("unified", UNIFIED_ARGS))
 
 
-def _captures(url: str) -> dict:
-    text = get_text(url + "/metrics")
-    return {result: float(value) for result, value in
-            re.findall(r'histate_captures_total\{[^}]*result="(\w+)"[^}]*\} ([0-9.e+]+)', text)}
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the series of `name` on SGLang's /metrics whose labels include `labels`."""
-    total = 0.0
-    for line in get_text(url + "/metrics").splitlines():
-        if line.startswith(f"sglang:{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def _exact(reference, served_by, where: str, prompt: list):
-    cold, served = generate(reference.url, prompt), generate(served_by.url, prompt)
-    assert cold.cached_tokens == 0, where
-    assert served.output_ids == cold.output_ids, f"{where}: greedy answer differs from stock's cold one"
-    gap = served.max_logprob_gap(cold)
-    assert gap <= LOGPROB_TOLERANCE, f"{where} (cached {served.cached_tokens}): logprobs {gap:.2e} off a cold prefill"
-    assert served.cached_tokens % PAGE_NUM_TOKENS == 0, where
-    return served
-
-
 def test_resuming_from_a_branch_point_captured_inside_a_pass_is_exact(pair):
     """S (320 tokens), X2 = S + 192, Y2 = S + 149 (diverges from X2 at 320, inside Y2's pass), V2 = S + 144:
     V2 can resume at 320 only from the state Y2's pass captured at its branch point (neither prompt
@@ -79,12 +53,12 @@ def test_resuming_from_a_branch_point_captured_inside_a_pass_is_exact(pair):
     rng = random.Random(5)
     s = tokens(rng, 320)
     x2, y2, v2 = s + tokens(rng, 192), s + tokens(rng, 149), s + tokens(rng, 144)
-    _exact(reference, unified, "X2", x2)
-    before = _captures(unified.url)
-    _exact(reference, unified, "Y2", y2)
-    assert _captures(unified.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
-    assert _exact(reference, unified, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
-    assert _captures(unified.url).get("unfilled", 0) == 0
+    assert_exact(reference, unified, "X2", x2)
+    before = capture_counts(unified.url)
+    assert_exact(reference, unified, "Y2", y2)
+    assert capture_counts(unified.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
+    assert assert_exact(reference, unified, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
+    assert capture_counts(unified.url).get("unfilled", 0) == 0
 
 
 def test_resuming_from_an_interval_capture_inside_a_pass_is_exact(pair):
@@ -96,10 +70,10 @@ def test_resuming_from_an_interval_capture_inside_a_pass_is_exact(pair):
     rng = random.Random(3)
     x = tokens(rng, 512)
     y = x[:256] + tokens(rng, 149)
-    before = _captures(unified.url)
-    assert _exact(reference, unified, "X", x).cached_tokens == 0
-    served_y = _exact(reference, unified, "Y", y)
-    assert _captures(unified.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
+    before = capture_counts(unified.url)
+    assert assert_exact(reference, unified, "X", x).cached_tokens == 0
+    served_y = assert_exact(reference, unified, "Y", y)
+    assert capture_counts(unified.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
     assert 0 < served_y.cached_tokens < len(x), f"Y resumed at {served_y.cached_tokens}: not from inside X's pass"
 
 
@@ -111,7 +85,7 @@ def test_a_multi_turn_session_on_the_unified_pool_answers_as_stock_cold(pair):
     for turn, kind in enumerate(AgentSession.KINDS):
         prompt = session.next_prompt(turn)
         where = f"turn {turn} ({kind}, {len(prompt)} tokens)"
-        served = _exact(reference, unified, where, prompt)
+        served = assert_exact(reference, unified, where, prompt)
         bound = max((common_prefix_len(prompt, context) for context in seen), default=0)
         assert served.cached_tokens <= min(bound, len(prompt) - 1), f"{where}: {served.cached_tokens} cached"
         if turn > 0:
@@ -129,14 +103,14 @@ def test_a_prefix_that_left_the_device_is_loaded_back_from_the_host_exactly(pair
     reference, unified = pair
     rng = random.Random(1)
     a = tokens(rng, 640)
-    _exact(reference, unified, "A", a)
+    assert_exact(reference, unified, "A", a)
     generate(unified.url, tokens(rng, 640))
-    host_hits, loaded = _metric(unified.url, "histate_prefix_hits_total", tier="host"), \
-        _metric(unified.url, "load_back_tokens_total", pool="kv")
-    served = _exact(reference, unified, "A + 24", a + tokens(rng, 24))
+    host_hits, loaded = metric_sum(unified.url, "histate_prefix_hits_total", tier="host"), \
+        metric_sum(unified.url, "load_back_tokens_total", pool="kv")
+    served = assert_exact(reference, unified, "A + 24", a + tokens(rng, 24))
     assert served.cached_tokens == len(a), f"A + 24 reused {served.cached_tokens} tokens"
-    assert _metric(unified.url, "histate_prefix_hits_total", tier="host") > host_hits, "the hit was not the host's"
-    assert _metric(unified.url, "load_back_tokens_total", pool="kv") >= loaded + served.cached_tokens
+    assert metric_sum(unified.url, "histate_prefix_hits_total", tier="host") > host_hits, "the hit was not the host's"
+    assert metric_sum(unified.url, "load_back_tokens_total", pool="kv") >= loaded + served.cached_tokens
 
 
 def test_the_server_runs_the_unified_pool_through_the_translating_stand_in(pair):
