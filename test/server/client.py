@@ -95,6 +95,34 @@ def capture_counts(base_url: str) -> dict:
     return counts
 
 
+def assert_interval_capture_serves(reference: object, server: object, rng: random.Random) -> tuple:
+    """X (512 new tokens), then Y = X[:256] + 149, on a tree nobody touched: X's pass must capture a
+    state of its own besides SGLang's one tracked position (its end), and Y must resume strictly inside
+    (0, 512), which only such a capture can serve; both answers exact. Returns (Y, Y's answer)."""
+    x = tokens(rng, 512)
+    y = x[:256] + tokens(rng, 149)
+    before = capture_counts(server.url)
+    assert assert_exact(reference, server, "X", x).cached_tokens == 0
+    assert capture_counts(server.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
+    served_y = assert_exact(reference, server, "Y", y)
+    assert 0 < served_y.cached_tokens < len(x), f"Y resumed at {served_y.cached_tokens}: not from inside X's pass"
+    return y, served_y
+
+
+def assert_branch_point_capture_serves(reference: object, server: object, rng: random.Random) -> None:
+    """S (320 tokens), X2 = S + 192, Y2 = S + 149 (diverges from X2 at 320, inside Y2's pass), V2 = S + 144:
+    V2 can resume at 320 only from the state Y2's pass captured at its branch point (neither prompt ends
+    there); every answer exact, no capture left unfilled."""
+    s = tokens(rng, 320)
+    x2, y2, v2 = s + tokens(rng, 192), s + tokens(rng, 149), s + tokens(rng, 144)
+    assert_exact(reference, server, "X2", x2)
+    before = capture_counts(server.url)
+    assert_exact(reference, server, "Y2", y2)
+    assert capture_counts(server.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
+    assert assert_exact(reference, server, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
+    assert capture_counts(server.url).get("unfilled", 0) == 0
+
+
 def run_sglang_module(module: str, argv: list, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
     """`python -m module argv...` for a client that imports sglang (bench_serving): with the project's
     CPU import stubs (sglang_cpu/stubs.py), offline."""

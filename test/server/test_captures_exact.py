@@ -20,30 +20,15 @@ from __future__ import annotations
 
 import random
 
-from .client import PAGE_NUM_TOKENS, assert_exact, capture_counts, tokens
+from .client import assert_branch_point_capture_serves, assert_exact, assert_interval_capture_serves, tokens
 
 
 def test_resuming_from_in_pass_captures_is_exact(servers):
     reference, fresh = servers.reference, servers.fresh
     rng = random.Random(3)
-    x = tokens(rng, 512)
-    y = x[:256] + tokens(rng, 149)
+    y, served_y = assert_interval_capture_serves(reference, fresh, rng)
     z = y + tokens(rng, 139)
     w = z + tokens(rng, 150)
-    before = capture_counts(fresh.url)
-    assert assert_exact(reference, fresh, "X", x).cached_tokens == 0
-    assert capture_counts(fresh.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
-    served_y = assert_exact(reference, fresh, "Y", y)
-    assert 0 < served_y.cached_tokens < len(x) and served_y.cached_tokens % PAGE_NUM_TOKENS == 0, \
-        f"Y resumed at {served_y.cached_tokens}: not from a state inside X's pass"
     for name, prompt in (("Z", z), ("W", w)):
         assert assert_exact(reference, fresh, name, prompt).cached_tokens > served_y.cached_tokens
-
-    s = tokens(rng, 320)
-    x2, y2, v2 = s + tokens(rng, 192), s + tokens(rng, 149), s + tokens(rng, 144)
-    assert_exact(reference, fresh, "X2", x2)
-    before = capture_counts(fresh.url)
-    assert_exact(reference, fresh, "Y2", y2)
-    assert capture_counts(fresh.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
-    assert assert_exact(reference, fresh, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
-    assert capture_counts(fresh.url).get("unfilled", 0) == 0
+    assert_branch_point_capture_serves(reference, fresh, rng)

@@ -21,8 +21,8 @@ import random
 
 import pytest
 
-from .client import (PAGE_NUM_TOKENS, AgentSession, assert_exact, capture_counts, common_prefix_len, generate,
-                     metric_sum, tokens)
+from .client import (PAGE_NUM_TOKENS, AgentSession, assert_branch_point_capture_serves, assert_exact,
+                     assert_interval_capture_serves, common_prefix_len, generate, metric_sum, tokens)
 from .conftest import REFERENCE_ARGS
 
 # What the stand-in logs in the scheduler (unified_attention.STAND_IN_NOTICE, TRANSLATED_READ_NOTICE;
@@ -50,15 +50,7 @@ def test_resuming_from_a_branch_point_captured_inside_a_pass_is_exact(pair):
     V2 can resume at 320 only from the state Y2's pass captured at its branch point (neither prompt
     ends there), written by the GDN layers into a unified-pool slot and read back through it."""
     reference, unified = pair
-    rng = random.Random(5)
-    s = tokens(rng, 320)
-    x2, y2, v2 = s + tokens(rng, 192), s + tokens(rng, 149), s + tokens(rng, 144)
-    assert_exact(reference, unified, "X2", x2)
-    before = capture_counts(unified.url)
-    assert_exact(reference, unified, "Y2", y2)
-    assert capture_counts(unified.url).get("extra", 0) > before.get("extra", 0), "Y2's pass captured nothing extra"
-    assert assert_exact(reference, unified, "V2", v2).cached_tokens == len(s), "V2 did not resume at the branch point"
-    assert capture_counts(unified.url).get("unfilled", 0) == 0
+    assert_branch_point_capture_serves(reference, unified, random.Random(5))
 
 
 def test_resuming_from_an_interval_capture_inside_a_pass_is_exact(pair):
@@ -67,14 +59,7 @@ def test_resuming_from_an_interval_capture_inside_a_pass_is_exact(pair):
     the unified pool at 1 byte (SGLang's unified sub-pools report 0 from `get_kv_size_bytes()`), which
     planned no interval checkpoint at all (`tree_cache.kv_bytes_per_token`)."""
     reference, unified = pair
-    rng = random.Random(3)
-    x = tokens(rng, 512)
-    y = x[:256] + tokens(rng, 149)
-    before = capture_counts(unified.url)
-    assert assert_exact(reference, unified, "X", x).cached_tokens == 0
-    served_y = assert_exact(reference, unified, "Y", y)
-    assert capture_counts(unified.url).get("extra", 0) > before.get("extra", 0), "X's pass captured nothing extra"
-    assert 0 < served_y.cached_tokens < len(x), f"Y resumed at {served_y.cached_tokens}: not from inside X's pass"
+    assert_interval_capture_serves(reference, unified, random.Random(3))
 
 
 def test_a_multi_turn_session_on_the_unified_pool_answers_as_stock_cold(pair):
