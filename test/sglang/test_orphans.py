@@ -38,3 +38,46 @@ def test_a_key_orphaned_again_belongs_to_its_newest_group():
     assert len(orphans) == 1
     assert orphans.lowest_score() == 9.0  # the older group owns nothing any more
     assert orphans.pop_lowest() == (("kv/a",), 100) and len(orphans) == 0
+
+
+def _ranks_reduce(sets):
+    """`agree_common_ids` on every rank of a simulated group, its collectives applied element-wise
+    (MIN/MAX) across the ranks in lockstep; returns each rank's answer."""
+    import threading
+
+    from histate.sglang_plugin.orphans import agree_common_ids
+
+    barrier, slots, answers = threading.Barrier(len(sets)), [None] * len(sets), [None] * len(sets)
+
+    def run(rank):
+        def reduce(values, minimum):
+            slots[rank] = list(values)
+            barrier.wait()
+            combined = [min(col) if minimum else max(col) for col in zip(*slots)]
+            assert all(len(s) == len(values) for s in slots)  # the same sizes on every rank
+            barrier.wait()
+            return combined
+
+        answers[rank] = agree_common_ids(sets[rank], reduce)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(sets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
+def test_objects_held_by_every_rank_are_agreed_exactly():
+    sets = [{5, 7, 9, 11}, {7, 9, 13}, {1, 7, 9, 11, 13}]
+    for _ in range(5):  # any rank may propose (random nonce): the answer is the intersection
+        assert _ranks_reduce(sets) == [{7, 9}] * 3
+    assert _ranks_reduce([set(), {3}]) == [set(), set()]
+    assert _ranks_reduce([{3, 4}]) == [{3, 4}]  # one rank: its own objects
+
+
+def test_rank_free_ids_ignore_nothing_but_the_rank_suffix():
+    from histate.sglang_plugin.orphans import rank_free_id
+
+    assert rank_free_id("kv/abc") == rank_free_id("kv/abc") > 0
+    assert rank_free_id("kv/abc") != rank_free_id("mamba/abc")

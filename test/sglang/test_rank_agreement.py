@@ -29,6 +29,7 @@ from sglang_cpu.pools import PAGE, build_pools, publish_server_args
 
 MIN_STEPS = 10_000
 NUM_REQUESTS = 600  # 10,504 steps, 3,294 evictions per rank; the control diverged after 247 requests
+SIZES_REQUESTS = 6  # ranks with different local sizes (issue 30): no host pressure yet
 DECODE_STEPS = 14  # scheduler steps between two admissions (each agrees the clock)
 JITTER_S = 0.005  # each rank's clock reads up to 5 ms late, independently
 TRACE = AgentWorkloadConfig(
@@ -44,13 +45,25 @@ class TwoRankGroup:
     def __init__(self, timeout_s: float = 10.0) -> None:
         self.barrier = threading.Barrier(2, timeout=timeout_s)  # a rank waiting longer: a collective mismatch
         self.slots: list = [None, None]
+        self.building = threading.Lock()  # `_build_in_lockstep`: one rank builds at a time between collectives
+        self.local = threading.local()
 
     def all_reduce(self, rank: int, tensor: torch.Tensor, op) -> None:
+        building = getattr(self.local, "building", False)
+        if building:  # let the other rank build up to this collective; its server args are its own
+            from sglang.srt.runtime_context import get_server_args
+            from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+            server_args = get_server_args()
+            self.building.release()
         self.slots[rank] = tensor.clone()
         self.barrier.wait()
         combine = torch.minimum if op == torch.distributed.ReduceOp.MIN else torch.maximum
         result = combine(self.slots[0], self.slots[1])
         self.barrier.wait()  # both read the slots before either overwrites its own
+        if building:
+            self.building.acquire()
+            set_global_server_args_for_scheduler(server_args)
         tensor.copy_(result)
 
 
@@ -67,8 +80,8 @@ class JitteredClock:
 class Rank:
     """One TP rank: its cache, its driver, and the log of every decision it takes."""
 
-    def __init__(self, rank: int, group: TwoRankGroup, clock_kwargs: dict, ssd_config=None):
-        self.pools = build_pools(kv_tokens=160 * PAGE, mamba_slots=6, max_context=1 << 14)
+    def __init__(self, rank: int, group: TwoRankGroup, clock_kwargs: dict, ssd_config=None, state_shape=None):
+        self.pools = build_pools(kv_tokens=160 * PAGE, mamba_slots=6, max_context=1 << 14, state_shape=state_shape)
         storage = None if ssd_config is None else storage_extra_config(None, ssd_config)
         self.cache = build_hicache("histate", self.pools, histate_config=ssd_config, storage_extra=storage,
                                    hicache_ratio=1.2, **clock_kwargs)
@@ -84,6 +97,44 @@ class Rank:
             step()
 
         self.driver.step = counted_step
+
+
+def _build_in_lockstep(group: TwoRankGroup, make) -> list:
+    """`make(rank)` for both ranks, each in its thread, with the collectives of construction (sizes at
+    init, the SSD budget and the objects found at attach) going through `group`, as SGLang's ranks build
+    their caches at once. One rank builds at a time between two collectives (process-wide state such as
+    the published server args is not per thread here)."""
+    from histate.sglang_plugin.tree_cache import HiStateRadixCache
+
+    built, errors = [None, None], []
+
+    def run(rank: int) -> None:
+        group.local.rank, group.local.building = rank, True
+        group.building.acquire()
+        try:
+            built[rank] = make(rank)
+        except BaseException as error:  # noqa: BLE001 - returned to the main thread
+            errors.append(error)
+            group.barrier.abort()
+        finally:
+            group.local.building = False
+            group.building.release()
+
+    original = HiStateRadixCache.__dict__.get("_all_reduce_attn_groups")
+    HiStateRadixCache._all_reduce_attn_groups = lambda self, tensor, op: group.all_reduce(group.local.rank, tensor, op)
+    try:
+        threads = [threading.Thread(target=run, args=(r,), name=f"build{r}") for r in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        if original is None:
+            del HiStateRadixCache._all_reduce_attn_groups
+        else:
+            HiStateRadixCache._all_reduce_attn_groups = original
+    assert errors == [], errors
+    return built
 
 
 def _path_id(sg) -> tuple:
@@ -215,3 +266,138 @@ def test_a_restore_one_rank_cannot_read_is_a_miss_on_every_rank(sglang_plugins, 
     for rank in ranks:
         assert rank.cache.histate.metrics.totals[("ssd_restores_total", "miss")] == 1
         rank.cache.sanity_check()
+
+
+# --- issue 30: SSD acks, objects found at a restart, and the sizes eq. 7 scores by, under faults -----
+
+def _ssd_configs(tmp_path, size="64MiB"):
+    return [resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / f"rank{r}")], "ssd_backend": "file",
+                            "ssd_size_bytes": size}, {}) for r in (0, 1)]
+
+
+def _ssd_view(cache) -> list:
+    """Each node's SSD bits and checkpoint tiers, by a process-independent identity."""
+    return sorted((_path_id(sg), core_of(sg).ssd_kv, core_of(sg).ssd_state, core_of(sg).ckpt_mask)
+                  for sg in cache.tree_core._node_arena.values() if sg.parent is not None)
+
+
+def test_a_state_one_rank_did_not_store_is_on_ssd_on_no_rank(sglang_plugins, tmp_path):
+    """SGLang acks a failed backup like a good one, on every rank. Rank 1's store refuses the states;
+    rank 0's stores them. The SSD tier confirms an object only where every rank holds it (MIN over the
+    ranks): neither rank sets an SSD bit, both keep the historical states on the device (no homing) and
+    reuse them alike, and rank 0 deletes the copies no agreed record holds."""
+    from .test_backup_acks import Refusals
+
+    publish_server_args()
+    group = TwoRankGroup()
+    configs = _ssd_configs(tmp_path)
+    ranks = [Rank(r, group, {"clock": lambda: 1.0}, ssd_config=configs[r]) for r in (0, 1)]
+    refusals = Refusals(ranks[1].cache.histate.ssd_tier.backend.store, lambda key: key.startswith("mamba/"))
+    prompt = list(range(500, 500 + 16 * PAGE))
+
+    def work(rank: Rank) -> None:
+        rank.driver.serve(prompt, [4 * PAGE, 8 * PAGE, 16 * PAGE])  # written through to SSD, acked
+        rank.driver.step()
+        rank.log.append(("view", _ssd_view(rank.cache)))
+        rank.log.append(("reused", rank.driver.admit(prompt[:6 * PAGE] + [1] * PAGE)))
+        rank.cache.unlock(rank.driver.admission_lock)
+
+    assert _in_lockstep(ranks, group, work) == []
+    assert len(refusals.refused) == 3  # the fault fired on rank 1: three states refused
+    assert ranks[0].log == ranks[1].log
+    view = dict(ranks[0].log)["view"]
+    assert not any(ssd_state for _, _, ssd_state, _ in view) and len(view) == 3
+    assert dict(ranks[0].log)["reused"] == 4 * PAGE  # the 4-page state kept its device copy on both ranks
+    tiers = [r.cache.histate.ssd_tier for r in ranks]
+    assert tiers[0].unconfirmed_deleted == 3 and tiers[1].unconfirmed_deleted == 0
+    assert tiers[0].backend.store.keys() == [] == tiers[1].backend.store.keys()
+    for rank in ranks:
+        assert rank.cache.histate.metrics.totals["checkpoints_homed_total"] == 0
+        rank.cache.sanity_check()
+
+
+def _rank_free(key: str) -> str:
+    return key.rsplit("__", 1)[0]  # the store key without the rank suffix (`rank_suffix`: `_<model>_<tp>_<size>`)
+
+
+def test_objects_found_at_a_restart_are_orphans_only_where_every_rank_has_them(sglang_plugins, tmp_path,
+                                                                                monkeypatch):
+    """Each rank finds its own store's objects at a restart. Rank 0 holds pages {a, b, c}, rank 1
+    {b, c, d}: only b and c are orphans, on both ranks, in the same order; a and d are deleted where they
+    are. The trim that follows deletes the same objects in the same order on both ranks. Before, each
+    rank orphaned what it found: the trims took different objects."""
+    from histate.sglang_plugin import ssd_tier
+
+    publish_server_args()
+    configs = _ssd_configs(tmp_path)
+    pages = {name: torch.full((64,), float(i)) for i, name in enumerate("abcd")}
+    held = {0: "abc", 1: "bcd"}
+    first = [Rank(r, TwoRankGroup(), {"clock": lambda: 1.0}, ssd_config=configs[r]) for r in (0, 1)]
+    for r, rank in enumerate(first):  # a first life of the server wrote these
+        backend = rank.cache.histate.ssd_tier.backend
+        for name in held[r]:
+            assert backend.store.put(backend.store_key("kv", f"page-{name}"), pages[name]).stored
+        backend.close()
+
+    group = TwoRankGroup()
+    ranks = _build_in_lockstep(group, lambda r: Rank(r, group, {"clock": lambda: 1.0}, ssd_config=configs[r]))
+    tiers = [rank.cache.histate.ssd_tier for rank in ranks]
+    for tier in tiers:
+        assert len(tier.orphans) == 2
+        assert {_rank_free(k) for k in tier.orphans.keys()} == {"kv/page-b", "kv/page-c"}
+        assert {_rank_free(k) for k in tier.backend.store.keys()} == {"kv/page-b", "kv/page-c"}
+    assert [_rank_free(k) for k, _ in tiers[0].orphans.snapshot] == [_rank_free(k) for k, _ in tiers[1].orphans.snapshot]
+
+    deleted = {0: [], 1: []}
+    for r, tier in enumerate(tiers):
+        delete = tier.backend.store.delete
+        monkeypatch.setattr(tier.backend.store, "delete",
+                            lambda key, _d=delete, _r=r: (deleted[_r].append(_rank_free(key)), _d(key))[1])
+    monkeypatch.setattr(ssd_tier, "HIGH_WATERMARK", 0.0)
+    monkeypatch.setattr(ssd_tier, "LOW_WATERMARK", 0.0)
+
+    def work(rank: Rank) -> None:
+        rank.driver.step()  # agrees the SSD usage, then trims
+
+    assert _in_lockstep(ranks, group, work) == []
+    assert deleted[0] == deleted[1] and sorted(deleted[0]) == ["kv/page-b", "kv/page-c"]
+
+
+def _scores(rank: Rank) -> list:
+    """Every device unit's eq. 7 score, and the order the device walk would take them in (nothing leaves)."""
+    from histate.core import GPU_BIT, Tier
+
+    runtime = rank.cache.histate
+    order = runtime.victims.peek(Tier.GPU, lambda node, unit: True, lambda node, unit: False)
+    return [(_path_id(node.sg), unit.value, runtime.state.score(node, unit, GPU_BIT)) for node, unit in order]
+
+
+def test_ranks_with_different_local_sizes_score_alike(sglang_plugins):
+    """Rank 1's state slots are twice rank 0's (as a pipeline stage with more GDN layers would have
+    them): the sizes eq. 5-7 and Little's law price units by are agreed at construction (MAX), so both
+    ranks plan the same checkpoints, give every unit the same score and would evict in the same order.
+    Before, each priced checkpoints by its own slot size. (Few requests: SGLang sizes its host pools
+    from each rank's own bytes, so under host pressure these two ranks would part for SGLang's reasons.)"""
+    from histate.sglang_plugin.host_stack import mamba_slot_bytes
+
+    from sglang_cpu.pools import TINY_STATE
+
+    publish_server_args()
+    group = TwoRankGroup()
+    shapes = [TINY_STATE, {**TINY_STATE, "state_size": 2 * TINY_STATE["state_size"]}]
+    shared = {"now_s": 0.0}
+    ranks = _build_in_lockstep(group, lambda r: Rank(r, group, {"local_clock": JitteredClock(shared, seed=r)},
+                                                     state_shape=shapes[r]))
+    local = [mamba_slot_bytes(r.pools.mamba_pool) for r in ranks]
+    assert local[0] < local[1]  # the ranks' own sizes differ
+    configs = [r.cache.histate.core_config for r in ranks]
+    assert configs[0] == configs[1] and configs[0].checkpoint_size_bytes == local[1]  # the MAX
+
+    def work(rank: Rank) -> None:
+        _serve_stream(ranks, _requests(SIZES_REQUESTS), shared)(rank)
+        rank.log.append(("scores", _scores(rank)))
+
+    assert _in_lockstep(ranks, group, work) == []
+    assert _first_difference(ranks[0].log, ranks[1].log) is None
+    scores = next(entry[1] for entry in ranks[0].log if entry[0] == "scores")
+    assert len({unit for _, unit, _ in scores}) == 2  # bundles and checkpoints were both ranked

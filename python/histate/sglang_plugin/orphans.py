@@ -11,9 +11,11 @@ deleted as an orphan.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
-from typing import Iterable, Optional
+import secrets
+from typing import Callable, Iterable, Optional
 
 UNKNOWN_SCORE = float("-inf")
 """Score of objects from before a restart: nothing is known of them, so they go first."""
@@ -78,3 +80,27 @@ class OrphanObjects:
         self._heap.clear()
         self._owner.clear()
         self.snapshot = ()
+
+
+def rank_free_id(name: str) -> int:
+    """A positive 63-bit id of an object's rank-independent name (`<pool>/<page hash>`, the store key
+    without the rank suffix), for exchanging sets of objects through integer all-reduces."""
+    return (int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") >> 1) or 1
+
+
+def agree_common_ids(local_ids: set, reduce: Callable[[list, bool], list]) -> set:
+    """The ids every rank holds, through element-wise all-reduces only (`reduce(values, minimum)`: MIN
+    when `minimum`, else MAX; SGLang's TP all-reduce). One rank proposes its ids (the smallest random
+    nonce wins: no rank number is needed), every rank flags which of them it holds, and the MIN of the
+    flags keeps those on all ranks. Four collectives, the same count and sizes on every rank; exact but
+    for 63-bit id collisions."""
+    nonce = secrets.randbits(62) + 1
+    (winner,) = reduce([nonce], True)
+    proposer = nonce == winner
+    (count,) = reduce([len(local_ids) if proposer else 0], False)
+    if count == 0:
+        return set()
+    proposal = sorted(local_ids) if proposer else [0] * count
+    candidates = reduce(proposal, False)  # MAX with zeros elsewhere: the proposer's ids on every rank
+    held = reduce([int(c in local_ids) for c in candidates], True)
+    return {c for c, ok in zip(candidates, held) if ok}

@@ -96,6 +96,17 @@ class HiStateRuntime:
                 self.core_config, capacity_bytes={**self.core_config.capacity_bytes, tier: capacity_bytes})
         self.state = self.victims.state = self._policy_state()
 
+    def adopt_agreed_sizes(self, kv_bytes_per_token: int, checkpoint_bytes: int, device_bytes: int) -> None:
+        """The sizes eq. 5-7 and Little's law price units by, agreed over the ranks at construction
+        (`HiStateRadixCache._agree_sizes`: the MAX of every rank's own, per rank), so that every rank
+        scores alike even if its local pools differ (an uneven pipeline split of layers; the plugin
+        refuses --pp-size > 1 today, and TP shards are equal, so the MAX is each rank's own). Called
+        before the tree holds anything."""
+        self.core_config = dataclasses.replace(
+            self.core_config, kv_bytes_per_token=kv_bytes_per_token, checkpoint_size_bytes=checkpoint_bytes,
+            capacity_bytes={**self.core_config.capacity_bytes, Tier.GPU: device_bytes})
+        self.state = self.victims.state = self._policy_state()
+
     def bytes_in(self, tier: Tier, size_bytes: int) -> None:
         """Bytes entered a tier (an insert, a load-back, an acknowledged SSD backup): the insertion rates
         of Little's law, as the core's ItemBook reports every put."""

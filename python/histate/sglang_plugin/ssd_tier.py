@@ -18,10 +18,11 @@ one, in any tier) and, if so, the backend's `l3_admits_state` admits that state'
 backup is acknowledged (a frozenset the scheduler thread swaps; the backup thread never reads the
 tree). Intermediate checkpoints go to the SSD only. The inputs are agreed, so every rank writes alike.
 
-SSD bits (`CoreNode.ssd_kv` / `ssd_state`) are set when SGLang drains a storage-backup acknowledgement
-(`_drain_storage_control_queues_impl`, whose counts SGLang MIN-all-reduces: unified_radix_cache.py:
-3298-3330) or inserts host nodes its L3 prefetch read from SSD, and cleared when an agreed SSD eviction
-or an agreed failed restore removes them. A node SGLang deletes while its objects are on SSD leaves
+SSD bits (`CoreNode.ssd_kv` / `ssd_state`) are set when a storage backup is confirmed (`confirm_backups`:
+after SGLang drained its acknowledgement, whose count SGLang MIN-all-reduces, unified_radix_cache.py:
+3298-3330, each object the backup was to write counts only if every rank's store holds it; SGLang's ack
+itself says nothing of what was stored) or when SGLang inserts host nodes its L3 prefetch read from SSD,
+and cleared when an agreed SSD eviction or an agreed failed restore removes them (docs/invariants.md S1-S3). A node SGLang deletes while its objects are on SSD leaves
 them as orphans (orphans.py): SGLang's own L3 prefetch can still find them by page hash, and they keep
 the eq. 7 score their node had.
 
@@ -76,6 +77,7 @@ HIGH_WATERMARK = 0.95  # agreed SSD usage (share of the per-rank budget) that st
 LOW_WATERMARK = 0.90  # ... and where it stops
 DEMOTE_MARGIN = 0.10  # share of the host KV pool, lowest-ranked first, kept SSD-backed once the host is this full
 STATE_DEMOTE_MARGIN = 0.25  # the same for the host's state slots (few: a pass can fill several at once)
+DEMOTE_RETRY_STEPS = 64  # scheduler steps before `demote` writes again a node whose KV some rank did not store
 
 
 def _covering(amount: float, size) -> Any:
@@ -145,6 +147,8 @@ class SsdTier:
         self._orphans_changed = False  # the snapshot pick_ssd_victims reads is refreshed once per step
         self.admitted: frozenset = frozenset()  # page hashes whose KV the backend writes (`demote`)
         self.demoting: dict = {}  # id -> CoreNode whose KV backup to SSD is in flight
+        self._demote_steps = 0  # `demote` calls (one per scheduler step, on every rank)
+        self._demote_retry_at: dict = {}  # id -> step from which a node whose demotion failed is tried again
         self.backups: dict = {}  # SGLang storage-backup operation id -> _Backup
         self.candidates: dict = {}  # request handle -> CoreNode of its deepest SSD-only checkpoint
         self.restores: dict = {}  # request handle -> _Restore
@@ -156,10 +160,9 @@ class SsdTier:
         # thread counts them in `_l3_marks` and publishes the keys as a frozenset the backup thread reads.
         self._l3_marks: dict = {}
         self.l3_terminal: frozenset = frozenset()
-        store = backend.store
-        for key in store.keys():  # written before this process (a restart): no node knows them
-            self.orphans.add((key,), store.payload_bytes(key) or 0, UNKNOWN_SCORE)
-        self.orphans.refresh_snapshot()
+        self.capacity_bytes = self._agreed_capacity_bytes()
+        self.unconfirmed_deleted = 0  # objects some rank's write did not store, deleted where one was
+        self._adopt_restart_objects()
         backend.pick_victims = self.pick_ssd_victims
         backend.admits_kv = self.admits_kv
         backend.l3_admits_state = self.l3_admits_state
@@ -179,6 +182,59 @@ class SsdTier:
 
     def _kv_bytes(self, node: CoreNode) -> int:
         return len(node.keys) * self.kv_bytes_per_token
+
+    def _nominal_bytes(self, key: str) -> int:
+        """What every rank counts for one object: a KV page or a checkpoint at the agreed sizes."""
+        from .storage_backend import KV_POOL
+
+        return self.kv_bytes_per_token * self.cache.page_size if key.startswith(f"{KV_POOL}/") \
+            else self.checkpoint_bytes
+
+    # --- agreement over the ranks (SGLang's TP/PP all-reduce, scheduler thread) -----------------------
+
+    def _all_reduce(self, values: list, op: Any) -> list:
+        import torch
+
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self.cache._all_reduce(tensor, op)
+        return [int(v) for v in tensor.tolist()]
+
+    def _agreed_capacity_bytes(self) -> int:
+        """The SSD budget the trim's watermarks use: the smallest of the ranks' (a 0 --histate-ssd-size
+        gives each rank its share of the free space it saw, which may differ), so every rank trims at
+        the same agreed usage and none is pushed past its own budget."""
+        import torch
+
+        (capacity,) = self._all_reduce([self.backend.store.config.capacity_bytes], torch.distributed.ReduceOp.MIN)
+        return capacity
+
+    def _adopt_restart_objects(self) -> None:
+        """Objects already in the store (written before this process: a restart) are orphans, but only
+        those every rank holds (`agree_common_ids` over the rank-independent part of their keys): an
+        object some rank lacks can serve no L3 prefetch (its hits are MIN-agreed) and, tracked on one
+        rank alone, would make the trims of the ranks delete different units. The rest are deleted
+        here. Orphans go in the agreed id order with nominal sizes, so every rank ranks them alike."""
+        import torch
+
+        from .orphans import agree_common_ids, rank_free_id
+
+        store, suffix = self.backend.store, self.backend.key_suffix
+        local = {}
+        for key in store.keys():
+            local[rank_free_id(key[:-len(suffix)] if suffix and key.endswith(suffix) else "\0" + key)] = key
+
+        def reduce(values: list, minimum: bool) -> list:
+            return self._all_reduce(values, torch.distributed.ReduceOp.MIN if minimum else torch.distributed.ReduceOp.MAX)
+
+        common = agree_common_ids(set(local), reduce)
+        for ident in sorted(common):
+            key = local[ident]
+            self.orphans.add((key,), self._nominal_bytes(key), UNKNOWN_SCORE)
+        strays = [key for ident, key in local.items() if ident not in common]
+        if strays:
+            logger.info("HiState SSD: %d objects found at attach are not on every rank; deleted", len(strays))
+            store.delete_many(strays)
+        self.orphans.refresh_snapshot()
 
     # --- agreed events: storage backups ------------------------------------------------------------
 
@@ -232,11 +288,58 @@ class SsdTier:
         self.backups[operation_id] = _Backup(core_of(sg), hashes, sg.component_data[MAMBA].host_value is not None,
                                              bool(hashes) and set(hashes) <= self.admitted, l3_state)
 
-    def on_backup_acked(self, operation_id: Any) -> None:
-        """SGLang drained the acknowledgement (an agreed event): the node's objects count as on SSD."""
-        backup = self.backups.pop(operation_id, None)
-        if backup is None:
+    def confirm_backups(self, operation_ids: list, agreed: bool = True) -> None:
+        """SGLang drained these storage backups' acknowledgements (the same operations, in the same
+        order, on every rank). SGLang acks every backup, failed or not (cache_controller.py:1416-1458:
+        a failed `page_set` only stops `completed_tokens`, which it never all-reduces), so the ack says
+        nothing of what was stored. HiState asks its store, per object, whether it holds each KV page
+        the backup was to write and its state, and takes the MIN over the ranks in one collective: an
+        object counts as on SSD only where every rank holds it (`agreed=False`, a local drain at detach:
+        nothing is confirmed). What the store holds is the truth the write left, whatever it reported,
+        including an orphan the store evicted under the backup."""
+        import torch
+
+        jobs = [(op, self.backups.pop(op)) for op in operation_ids if op in self.backups]
+        if not jobs:
             return
+        flags = []
+        for _, backup in jobs:
+            flags += self._local_flags(backup)
+        if agreed:
+            flags = self._all_reduce(flags, torch.distributed.ReduceOp.MIN)
+        else:
+            flags = [0] * len(flags)
+        at = 0
+        for _, backup in jobs:
+            n = len(self._object_keys(backup))
+            self._on_backup_confirmed(backup, [bool(f) for f in flags[at:at + n]])
+            at += n
+        self.orphans.refresh_snapshot()  # claims take effect for the store's thread at once
+        self._orphans_changed = False
+
+    def on_backup_acked(self, operation_id: Any) -> None:
+        """One acknowledgement (tests, single rank): `confirm_backups` of it."""
+        self.confirm_backups([operation_id])
+
+    def _object_keys(self, backup: _Backup) -> list:
+        """The store keys a backup was to write: its KV pages (a demotion) and its state. Agreed inputs
+        (the page hashes, `with_kv`, `with_state`), so the list has the same length on every rank."""
+        keys = self._kv_keys(backup.page_hashes) if backup.with_kv and backup.page_hashes else []
+        if backup.with_state and backup.page_hashes:
+            keys.append(self._state_key(backup.page_hashes))
+        return keys
+
+    def _local_flags(self, backup: _Backup) -> list:
+        store = self.backend.store
+        return [int(store.exists(key)) for key in self._object_keys(backup)]
+
+    def _on_backup_confirmed(self, backup: _Backup, stored: list) -> None:
+        """Set SSD bits, claims and SSD bytes from what every rank stored (`stored`, per object key of
+        `_object_keys`): a node's KV is SSD-backed only if all its pages are, its state only if the state
+        object is. A checkpoint not confirmed keeps its device and host copies (`home_historical` only
+        takes confirmed ones); a KV page not confirmed leaves its node as it was, so `demote` writes it
+        again before the host evicts it. Objects of the backup that no bit and no orphan accounts for
+        are deleted where a rank holds them: only agreed objects stay on SSD."""
         self.unmark_l3_state(backup.l3_state)
         if not backup.page_hashes:
             return
@@ -244,34 +347,72 @@ class SsdTier:
         if backup.with_kv:
             self.demoting.pop(id(node), None)
             self.admitted = self.admitted - set(backup.page_hashes)
+            if not all(stored[:len(backup.page_hashes)]):  # not again at once: a failing disk would take a write per step
+                self._demote_retry_at[id(node)] = self._demote_steps + DEMOTE_RETRY_STEPS
+        kv_stored = stored[:len(stored) - 1] if backup.with_state else stored
+        state_stored = bool(backup.with_state and stored[-1])
+        written = {h for h, ok in zip(backup.page_hashes, kv_stored) if ok}
+        state_key = self._state_key(backup.page_hashes)
         if not node.is_alive:
-            self._orphan_group(backup.page_hashes if backup.with_kv else (),
-                               backup.page_hashes if backup.with_state else (), UNKNOWN_SCORE)
+            self._orphan_group(tuple(h for h in backup.page_hashes if h in written),
+                               backup.page_hashes if state_stored else (), UNKNOWN_SCORE)
+            self._drop_unaccounted(backup, written, state_stored, kept=set())
             return
+        kept = set()  # keys a bit already holds (a node backed up again keeps its earlier copy)
         had_checkpoint, had_ssd_state = bool(node.ckpt_mask), node.ssd_state
-        if backup.with_state and node.sg.hash_value and node.sg.hash_value[-1] == backup.page_hashes[-1]:
-            node.ssd_state = True
-            self.orphans.claim((self._state_key(backup.page_hashes),))
-            self.runtime.state.on_state_written(self.runtime.now())
-            self.note_state_copy(node)
-        written = set(backup.page_hashes) if backup.with_kv else set()
+        if had_ssd_state:
+            kept.add(state_key)
+        if state_stored:
+            if node.sg.hash_value and node.sg.hash_value[-1] == backup.page_hashes[-1]:
+                node.ssd_state = True
+                self.orphans.claim((state_key,))
+                self.runtime.state.on_state_written(self.runtime.now())
+                self.note_state_copy(node)
+            elif state_key not in self.orphans:
+                self._orphan_group((), backup.page_hashes, UNKNOWN_SCORE)
         victims = self.runtime.victims
         marked, new_kv_tokens = [], 0
         head = node
-        while head.sg.parent is not None and head.sg.hash_value and set(head.sg.hash_value) <= written:
-            new_kv_tokens += 0 if head.ssd_kv else len(head.keys)  # a state's later backup rewrites its node
-            head.ssd_kv = True  # the node, and the heads split off it since the backup started
-            marked.append(head)
+        while head.sg.parent is not None and head.sg.hash_value and set(head.sg.hash_value) <= set(backup.page_hashes):
+            if head.ssd_kv:
+                kept |= set(self._kv_keys(head.sg.hash_value))
+            elif set(head.sg.hash_value) <= written:
+                new_kv_tokens += len(head.keys)
+                head.ssd_kv = True  # the node, and the heads split off it since the backup started
+                marked.append(head)
+            else:
+                break  # a page of this node is not on every rank: neither it nor what is above is backed
             head = head.parent
-        if marked:
-            self.orphans.claim(self._kv_keys(backup.page_hashes))
-            self._orphans_changed = True
+        claimed = [key for head in marked for key in self._kv_keys(head.sg.hash_value)]
+        if claimed:
+            self.orphans.claim(claimed)
+        kept |= set(claimed)
+        loose = tuple(h for h in backup.page_hashes if h in written and self._kv_keys((h,))[0] not in kept
+                      and self._kv_keys((h,))[0] not in self.orphans)
+        if loose:  # stored on every rank, but its node is not whole on SSD: the trim may reclaim it
+            self._orphan_group(loose, (), UNKNOWN_SCORE)
+            kept |= set(self._kv_keys(loose))
+        self._drop_unaccounted(backup, written, state_stored, kept)
         if node.ckpt_mask and not had_checkpoint:
             victims.touch_checkpoint_neighbourhood(node)
         self.runtime.bytes_in(Tier.SSD, new_kv_tokens * self.kv_bytes_per_token
                               + (self.checkpoint_bytes if node.ssd_state and not had_ssd_state else 0))
         for changed in marked + ([head] if head.sg.parent is not None else []):
             victims.touch(changed)  # new SSD units; `head` is no longer an SSD tier-leaf
+
+    def _drop_unaccounted(self, backup: _Backup, written: set, state_stored: bool, kept: set) -> None:
+        """Delete, on this rank, the backup's objects no rank-agreed record holds: not stored on every
+        rank, not kept by a bit, not an orphan. They are the leftovers of a write some rank did not
+        finish; tracked on no rank, they would only fill this rank's budget."""
+        keys = [k for h, k in zip(backup.page_hashes, self._kv_keys(backup.page_hashes)) if h not in written] \
+            if backup.with_kv else []
+        if backup.with_state and not state_stored:
+            keys.append(self._state_key(backup.page_hashes))
+        store = self.backend.store
+        for key in keys:
+            if key not in kept and key not in self.orphans and store.exists(key):
+                store.delete(key)
+                self.unconfirmed_deleted += 1
 
     def on_prefetched(self, anchor: Any, page_hashes: tuple) -> None:
         """SGLang's L3 prefetch inserted host nodes below `anchor` from these SSD pages (an agreed
@@ -298,6 +439,7 @@ class SsdTier:
         hashes = tuple(node.sg.hash_value or ())
         self.homing.pop(id(node), None)
         self.demoting.pop(id(node), None)
+        self._demote_retry_at.pop(id(node), None)
         if node.ssd_kv or node.ssd_state:
             unit = UnitKind.BUNDLE if node.ssd_kv else UnitKind.CHECKPOINT
             score = self.runtime.state.score(node, unit, SSD_BIT)
@@ -318,6 +460,7 @@ class SsdTier:
         self.candidates.clear()
         self.homing.clear()
         self.demoting.clear()
+        self._demote_retry_at.clear()
         for node in nodes:
             self.on_node_removed(node)
         self.orphans.refresh_snapshot()
@@ -352,6 +495,8 @@ class SsdTier:
         group = self.cache.host_pool_group
         if group is None:
             return 0
+        self._demote_steps += 1
+        retry_at = self._demote_retry_at
         leaves = []
         kv_pool = group.get_pool(PoolName.KV)
         if kv_pool is not None and kv_pool.available_size() <= DEMOTE_MARGIN * kv_pool.size:
@@ -365,7 +510,9 @@ class SsdTier:
         chosen, seen = [], set()
         for leaf in leaves:
             for node in _host_chain(leaf):
-                if id(node) not in seen and not node.ssd_kv and id(node) not in self.demoting and node.sg.hash_value:
+                if id(node) not in seen and not node.ssd_kv and id(node) not in self.demoting and node.sg.hash_value \
+                        and retry_at.get(id(node), 0) <= self._demote_steps:
+                    retry_at.pop(id(node), None)
                     chosen.append(node)
                 seen.add(id(node))
         started = 0
@@ -437,7 +584,7 @@ class SsdTier:
                 self._orphans_changed = False
 
     def _trim(self) -> int:
-        capacity = self.backend.store.config.capacity_bytes
+        capacity = self.capacity_bytes
         if self.agreed_used_bytes <= HIGH_WATERMARK * capacity:
             return 0
         need = self.agreed_used_bytes - LOW_WATERMARK * capacity
@@ -600,6 +747,21 @@ class SsdTier:
             else:
                 running.append(job)
         self._abandoned = running
+
+    def check_invariants(self) -> None:
+        """S1 on this rank (docs/invariants.md): the store holds every object an SSD bit claims (tests;
+        a read that found an object damaged drops it before the agreed restore clears the bit, so call
+        this where no restore failed)."""
+        store = self.backend.store
+        for sg in self.cache.tree_core._node_arena.values():
+            node = getattr(sg, "_hs_core", None)
+            if node is None or sg.parent is None:
+                continue
+            if node.ssd_kv:
+                missing = [k for k in self._kv_keys(sg.hash_value) if not store.exists(k)]
+                assert not missing, f"S1: node {sg.id} is marked SSD-backed; {len(missing)} pages are not stored"
+            if node.ssd_state:
+                assert store.exists(self._state_key(sg.hash_value)), f"S1: node {sg.id}'s state is not stored"
 
     def close(self) -> None:
         """Detach: finish or drop every restore and forget the SSD bits (every rank detaches)."""

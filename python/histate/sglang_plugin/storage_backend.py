@@ -332,22 +332,30 @@ class HiStateStorageBackend(HiCacheStorage):
 
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        stored = False
-        with self.io_window.operation("backup", lambda: len(keys) if stored else 0):
+        stored: list = []
+        with self.io_window.operation("backup", lambda: _num_true(stored)):
             stored = self._batch_set(keys, values)
-        return stored
+        return all(stored)  # SGLang's generic page path takes one flag per batch (cache_controller.py:1403-1408)
 
-    def _batch_set(self, keys: List[str], values: Any) -> bool:
-        """Store the pages not stored yet that the SSD tier admits; a page it does not admit is
-        reported written (it stays on the host alone, which SGLang's write-through cannot express)."""
+    def _batch_set(self, keys: List[str], values: Any) -> List[bool]:
+        """Store the pages not stored yet that the SSD tier admits; one flag per key, from the store's
+        own per-key result (`PutResult.stored`: a page a packed write lost is False on its own). A page
+        the tier does not admit is reported written (it stays on the host alone, which SGLang's
+        write-through cannot express); the SSD tier counts a page as stored only once the store holds
+        it on every rank (`SsdTier.confirm_backups`), never from these flags."""
         admits = self.admits_kv
-        items = [(self.store_key(KV_POOL, k), v.contiguous()) for k, v in zip(keys, values)
-                 if (admits is None or admits(k)) and not self.store.exists(self.store_key(KV_POOL, k))]
+        flags, items, slots = [True] * len(keys), [], []
+        for i, (k, v) in enumerate(zip(keys, values)):
+            store_key = self.store_key(KV_POOL, k)
+            if (admits is None or admits(k)) and not self.store.exists(store_key):
+                items.append((store_key, v.contiguous()))
+                slots.append(i)
         results = self.store.put_many(items, pack=True) if items else []
-        for (key, value), result in zip(items, results):
+        for i, (_, value), result in zip(slots, items, results):
+            flags[i] = result.stored
             if result.stored:
                 self._count_io(written_bytes=value.numel() * value.element_size())
-        return all(r.stored for r in results)
+        return flags
 
     def exists(self, key: str) -> bool:
         return self.store.exists(self.store_key(KV_POOL, key))
@@ -427,7 +435,7 @@ class HiStateStorageBackend(HiCacheStorage):
             if todo:
                 indices = torch.cat([host_indices[i * page:(i + 1) * page] for i in todo])
                 self.l3.put_kv([keys[i] for i in todo], indices)
-        return [stored] * len(keys)
+        return stored
 
     def _l3_kv_to_write(self, keys: List[str]) -> List[int]:
         """Pages of this backup that go to L3: `plan_l3_writes` over the batch (a prefix ending at its

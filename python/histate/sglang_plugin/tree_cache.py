@@ -87,6 +87,21 @@ class HiStateRadixCache(UnifiedRadixCache):
         super().__init__(params)
         self.tree_core.histate = self.histate
         self.histate.victims.tree_core = self.tree_core
+        self._agree_sizes()
+
+    def _agree_sizes(self) -> None:
+        """Make the sizes HiState scores by rank-invariant: each rank measured its own pools (KV bytes
+        per token, state slot bytes, device bytes), and eq. 7 and Little's law must rank alike on every
+        rank, or their evictions diverge. The MAX over the ranks, through SGLang's TP/PP all-reduce
+        (`_all_reduce`, unified_radix_cache.py:376-387), keeps the per-rank unit the per-rank
+        capacities are in (equal TP shards: each rank's own value)."""
+        import torch
+
+        config = self.histate.core_config
+        sizes = torch.tensor([config.kv_bytes_per_token, config.checkpoint_size_bytes,
+                              config.capacity_bytes[Tier.GPU]], dtype=torch.int64)
+        self._all_reduce(sizes, torch.distributed.ReduceOp.MAX)
+        self.histate.adopt_agreed_sizes(*(int(v) for v in sizes.tolist()))
 
     # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
 
@@ -105,9 +120,10 @@ class HiStateRadixCache(UnifiedRadixCache):
         if not isinstance(backend, HiStateStorageBackend):
             return
         backend.metrics = self.histate.metrics
+        tier = SsdTier(self, backend)  # agrees the budget and the objects found at attach over the ranks
         if Tier.SSD not in self.histate.core_config.capacity_bytes:
-            self.histate.add_tier(Tier.SSD, backend.store.config.capacity_bytes)
-        self.histate.ssd_tier = SsdTier(self, backend)
+            self.histate.add_tier(Tier.SSD, tier.capacity_bytes)
+        self.histate.ssd_tier = tier
 
     def detach_storage_backend(self) -> tuple[bool, str]:
         """SGLang's runtime detach closes the backend: stop using it first (restores end, SSD bits go)."""
@@ -181,13 +197,17 @@ class HiStateRadixCache(UnifiedRadixCache):
             if not queued:  # nothing queued (storage off, nothing backed up to the host)
                 tier.unmark_l3_state(l3_state)
 
-    def _drain_storage_control_queues_impl(self, *args: Any, **kwargs: Any) -> None:
+    def _drain_storage_control_queues_impl(self, n_storage_hit: Any, n_ack_prefetch: Any, n_backup: Any,
+                                           *args: Any, **kwargs: Any) -> None:
+        """After SGLang drained its acknowledgements, the SSD tier confirms what the drained backups
+        stored. The drained count is MIN-agreed (unified_radix_cache.py:3298-3330), so every rank
+        confirms the same operations, with one collective; a local drain (`n_backup` None: detach and
+        shutdown, storage_attachment.py:211-225) does not agree and confirms nothing new."""
         pending = set(self.ongoing_backup)
-        super()._drain_storage_control_queues_impl(*args, **kwargs)
+        super()._drain_storage_control_queues_impl(n_storage_hit, n_ack_prefetch, n_backup, *args, **kwargs)
         tier = self.histate.ssd_tier
         if tier is not None:
-            for operation_id in sorted(pending - set(self.ongoing_backup)):
-                tier.on_backup_acked(operation_id)
+            tier.confirm_backups(sorted(pending - set(self.ongoing_backup)), agreed=n_backup is not None)
 
     def _handle_prefetch_result(self, operation: Any) -> None:
         """SGLang's L3 prefetch inserts host nodes read from HiState's SSD: they are SSD-backed."""
