@@ -8,7 +8,7 @@ STAMP     := $(VENV)/.histate-installed-v3
 PYTEST    := $(VPY) -m pytest
 HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: help venv demo test test-fast test-gpu gpu-check cpu-server bench golden size clean cluster
+.PHONY: help venv demo test test-fast test-gpu gpu-check mutants cpu-server bench golden size clean cluster
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -59,6 +59,9 @@ cpu-server: venv  ## SGLang's own server on this CPU, in the foreground: make cp
 
 gpu-check:  ## on a lent GPU machine: SGLang's Triton GDN kernels under HiState's capture, the GPU tests (benchmark/gpu_check/README.md)
 	bash benchmark/gpu_check/run.sh
+
+mutants: venv  ## one-line mutants (benchmark/mutants/mutants.toml) applied to a temporary copy, each must fail its targeted tests; ~3 min
+	HYPOTHESIS_PROFILE=dev $(VPY) benchmark/mutants/run.py
 
 bench: venv  ## run every benchmark and print tables (numbers go to docs/results.md by hand)
 	$(VPY) benchmark/core_ops.py

@@ -42,3 +42,31 @@ def test_captured_positions_over_passes():
 ])
 def test_floor_cut(start, cut_end, expected):
     assert floor_cut(start, cut_end, 64) == expected
+
+
+def _by_enumeration(plan, start, end, chunk):
+    """The kernel's chunk boundaries, written out without `split_pass`: every `chunk` tokens counted
+    from the pass's own first token (the pass end only when it is one of them); the planned positions
+    among them are captured, the other planned positions inside the pass are dropped."""
+    boundaries = set(range(start + chunk, end + 1, chunk))
+    inside = [p for p in sorted(set(plan)) if start < p <= end]
+    captured = [p for p in inside if p in boundaries]
+    return captured, [p for p in inside if p not in captured]
+
+
+@pytest.mark.parametrize("start", [0, 32, 64, 100, 130, 192, 200, 447])
+@pytest.mark.parametrize("end", [500, 640, 704, 1000])
+def test_split_pass_against_enumerated_kernel_states(start, end):
+    """Every start, on and off the absolute 64-token grid: a pass starting at 32 captures 96, 160, ...,
+    never 128 (an absolute-grid rule `p % chunk` would take 128 and drop 96)."""
+    plan = list(range(32, 1024, 32))
+    split = split_pass(plan, start, end, 64)
+    captured, dropped = _by_enumeration(plan, start, end, 64)
+    assert list(split.captured) == captured and list(split.off_grid) == dropped
+    assert split.tracked == (captured[-1] if captured else None)
+
+
+def test_a_pass_off_the_absolute_grid_by_hand():
+    split = split_pass([96, 128, 160, 200, 224], 32, 224, 64)
+    assert (split.tracked, split.extra, split.off_grid) == (224, (96, 160), (128, 200))
+    assert captured_positions([96, 128, 160, 352], 32, [160, 352], 64) == ((96, 160, 352), (128,))

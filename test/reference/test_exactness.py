@@ -127,21 +127,24 @@ def _off_by_one(runner):
     """A fault: the state after position-1 tokens, presented as the checkpoint at `position`."""
 
     def fault(token_ids, checkpoint):
+        fault.calls += 1
         shifted = runner.checkpoint_by_prefill(token_ids, checkpoint.position - 1)
         return Checkpoint(checkpoint.position, shifted.conv, shifted.ssm)
 
+    fault.calls = 0
     return fault
 
 
 @pytest.mark.parametrize("numerics", ["fp64", "fp32"])
 def test_a_checkpoint_one_token_off_fails_the_check(numerics, runners, cold_runs, tmp_path):
     runner = runners(numerics)
-    executor = _executor(runner, "histate", tmp_path, checkpoint_fault=_off_by_one(runner))
+    fault = _off_by_one(runner)
+    executor = _executor(runner, "histate", tmp_path, checkpoint_fault=fault)
     first, second = agent_mutation_workload()[:2]
     executor.serve(first.token_ids, first.now_s)
     cold = cold_runs(numerics, second.token_ids)
     served = executor.serve(second.token_ids, second.now_s, cold.decode_tokens)
-    assert served.num_reused_pages > 0
+    assert served.num_reused_pages > 0 and fault.calls >= 1  # the shifted checkpoint was put in the cache
     assert max_logit_diff(served, cold) > 100 * TOLERANCE["fp32"]
     executor.close()
 

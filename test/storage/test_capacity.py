@@ -67,6 +67,37 @@ def test_callback_that_frees_too_little_refuses_the_put(make_store):
     _check_accounting(store)
 
 
+def test_writes_in_flight_count_against_the_budget(make_store, monkeypatch):
+    """Two puts queued and not yet written hold their bytes (reservations): a third that only fits if
+    they are forgotten is refused, and the budget holds once they land. The writer is held on a gate
+    until the third put was decided; the gate counts the writes it held (the hold must have happened)."""
+    import threading
+
+    store = make_store(capacity_bytes=2 * FILE_BYTES, on_capacity_needed=lambda n: [])
+    gate, held = threading.Event(), []
+    execute = type(store)._execute
+
+    def gated(self, sess, op):
+        held.append(op)
+        assert gate.wait(30)
+        return execute(self, sess, op)
+
+    monkeypatch.setattr(type(store), "_execute", gated)
+    try:
+        first = store.submit_put([("a", _arr(0)), ("b", _arr(1))])
+        third = store.submit_put([("c", _arr(2))])
+        reserved = store.stats_snapshot()["reserved_bytes"]  # c was decided while a and b were in flight
+    finally:
+        gate.set()
+    assert reserved == 2 * FILE_BYTES
+    assert [r.stored for r in first.wait(30)] == [True, True]
+    assert third.wait(30)[0].fault is Fault.NO_CAPACITY
+    assert len(held) >= 1  # the gate held the queued writes: the reservation was what refused c
+    store.flush(30)
+    assert sorted(store.keys()) == ["a", "b"]  # several writer threads: either may land first
+    _check_accounting(store)
+
+
 def test_object_larger_than_capacity_is_refused_without_evicting(make_store):
     store = make_store(capacity_bytes=2 * FILE_BYTES)
     store.put("a", _arr(0))

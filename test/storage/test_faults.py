@@ -102,23 +102,29 @@ def test_permission_error(make_store, monkeypatch):
 
         def open_denied(p, flags, *args, **kw):  # the store opens by name inside its fan-out directory
             if os.fspath(p) == os.path.basename(path) and flags & os.O_ACCMODE == os.O_RDONLY:
+                denied.append(p)
                 raise PermissionError(errno.EACCES, "Permission denied", path)
             return real_open(p, flags, *args, **kw)
 
         monkeypatch.setattr(os, "open", open_denied)
+    denied = []
     _expect_miss(store, events, Fault.PERMISSION)
+    assert os.geteuid() != 0 or denied  # as root, the injected EACCES is what made the miss
     _still_serving(store, arrays)
 
 
 def test_injected_enospc_on_preallocate_and_on_write(make_store, monkeypatch):
     store, arrays, events = _filled(make_store)
+    fired = []
 
     def full(*_a, **_k):
+        fired.append(1)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     r = store.put("new", np.ones(10_000, np.uint8))
     assert r.fault is Fault.NO_SPACE and not store.exists("new")
+    assert fired  # the injected ENOSPC, not some other refusal
     monkeypatch.undo()
     assert store.stats_snapshot()["put_failures"] == {"no_space": 1}
     assert not [f for f in files_under(store.layout.roots[0]) if ".tmp-" in f]
@@ -130,12 +136,15 @@ def test_injected_enospc_during_write_without_preallocation(make_store, monkeypa
     if backend == "nixl":
         pytest.skip("NIXL reports write errors as a bare NIXL_ERR_BACKEND (covered by the transfer-error test)")
     store = make_store(preallocate=False, direct_io=False)
+    fired = []
 
     def full(*_a, **_k):
+        fired.append(1)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwritev", full)
     assert store.put("k", np.ones(5 << 20, np.uint8)).fault is Fault.NO_SPACE
+    assert fired
     monkeypatch.undo()
     assert not files_under(store.layout.roots[0]) or all(
         ".tmp-" not in f for f in files_under(store.layout.roots[0]))
@@ -170,12 +179,16 @@ def test_nixl_transfer_error_is_a_miss(make_store, monkeypatch, backend):
     store, arrays, events = _filled(make_store)
     from nixl._bindings import nixlBackendError
 
+    fired = []
+
     def broken(*_a, **_k):
+        fired.append(1)
         raise nixlBackendError("NIXL_ERR_BACKEND")
 
     for sess in [store._inline_session, *store._sessions]:
         monkeypatch.setattr(sess.agent, "transfer", broken)
     _expect_miss(store, events, Fault.IO_ERROR)
+    assert fired  # the injected transfer error made the miss
     assert store.put("during-outage", np.ones(100, np.uint8)).fault is Fault.IO_ERROR
     assert not [f for f in files_under(store.layout.roots[0]) if ".tmp-" in f]
     monkeypatch.undo()
