@@ -30,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / ".." / "shared" / "traces" / "cc-traces-weka-042026" / "traces.jsonl.gz"
 POLICIES = ("histate", "sglang-hicache")
+RANKINGS = {"histate": ("eq7", "lru"), "sglang-hicache": ("lru",)}
+"""What leaves L3 per policy (sim/cluster.py L3_RANKINGS): HiState's eq. 7 ledger, or the master's LRU
+alone; stock HiCache deletes nothing, so the master's LRU alone."""
 GiB = 2**30
 
 
@@ -52,7 +55,18 @@ def workload_and_config(args, num_servers: int):
     return agent_workload(AgentWorkloadConfig(num_sessions=sessions, seed=args.seed), name="synthetic:agent"), config
 
 
-def cluster_config(args, num_servers: int, l3_gb: float, fail: bool):
+def variants(args) -> list:
+    """(label, policy, L3 ranking) of every policy variant a sweep runs."""
+    out = []
+    for policy in POLICIES:
+        for ranking in RANKINGS[policy]:
+            if policy == "histate" and ranking not in args.l3_rankings:
+                continue
+            out.append((policy if ranking == "eq7" or policy != "histate" else f"{policy}+lru", policy, ranking))
+    return out
+
+
+def cluster_config(args, num_servers: int, l3_gb: float, fail: bool, ranking: str = "eq7"):
     from histate.sim.cluster import ClusterConfig
     from histate.sim.l3 import L3StoreConfig
     from histate.sim.l3_link import GBIT, FLEET_L3_LINK, L3LinkSpec
@@ -60,10 +74,10 @@ def cluster_config(args, num_servers: int, l3_gb: float, fail: bool):
     link = L3LinkSpec(args.l3_link_gbps * GBIT if args.l3_link_gbps else FLEET_L3_LINK.bandwidth_bytes_per_s,
                       args.l3_op_latency_ms / 1e3 if args.l3_op_latency_ms is not None
                       else FLEET_L3_LINK.op_latency_s)
-    return ClusterConfig(num_servers, "manual", L3StoreConfig(int(l3_gb * 1e9)), link)
+    return ClusterConfig(num_servers, "manual", L3StoreConfig(int(l3_gb * 1e9)), link, l3_ranking=ranking)
 
 
-def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail: bool) -> dict:
+def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail: bool, ranking: str = "eq7") -> dict:
     """One cluster replay (and, with a failure, the paired run without it), cached as JSON."""
     path = args.out / "cells" / f"{name}.json"
     if path.exists():
@@ -72,7 +86,7 @@ def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail:
     from histate.sim.cluster_metrics import summarize_cluster
 
     workload, config = workload_and_config(args, num_servers)
-    cluster = cluster_config(args, num_servers, l3_gb, fail)
+    cluster = cluster_config(args, num_servers, l3_gb, fail, ranking)
     baseline = replay_cluster(workload, policy, config, cluster)
     if fail:
         # mid-run for server 0: the median arrival of the requests it served without the failure (half
@@ -81,8 +95,19 @@ def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail:
         run = replay_cluster(workload, policy, config,
                              replace(cluster, fail_server=(0, arrivals[len(arrivals) // 2])))
         summary = summarize_cluster(run, baseline)
+        # the moved sessions' first requests that arrived after the failure: a request the failure
+        # caught in flight also counts the time it had spent on the dead server, which depends on
+        # where in its prefill the kill landed, not on what L3 restores
+        by_uid = {r.uid: r for r in run.records}
+        fresh = [by_uid[u].ttft_s for u in run.first_after_move_uids
+                 if u in by_uid and u not in run.retried_uids and not math.isnan(by_uid[u].first_token_s)]
+        summary["moved_first_ttft_arrived_after"] = {"count": len(fresh),
+                                                     "mean_s": sum(fresh) / len(fresh) if fresh else math.nan}
     else:
         summary = summarize_cluster(baseline)
+        run = baseline
+    if run.l3_stats is not None:
+        summary["l3_deleted_objects"] = run.l3_stats.deleted_objects
     summary.update(cell=name, servers=num_servers, l3_gb=l3_gb, fail=fail)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1, default=str))
@@ -90,18 +115,23 @@ def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail:
 
 
 def cells(args) -> list:
-    """(name, policy, servers, L3 GB, failure) of every cell, sweep by sweep."""
+    """(name, label, policy, L3 ranking, servers, L3 GB, failure) of every cell, sweep by sweep. Without
+    L3 the ranking is moot: one cell per policy."""
     out = []
+
+    def add(prefix: str, n: int, l3: float, fail: bool) -> None:
+        for label, policy, ranking in variants(args):
+            if l3 == 0 and label != policy:
+                continue
+            out.append((f"{prefix}-{label}-n{n}-l3{l3:g}", label, policy, ranking, n, l3, fail))
+
     for n in args.servers:
-        for policy in POLICIES:
-            for l3 in (0.0, args.l3_gb):
-                out.append((f"a-{policy}-n{n}-l3{l3:g}", policy, n, l3, False))
-    for policy in POLICIES:
         for l3 in (0.0, args.l3_gb):
-            out.append((f"b-{policy}-n{args.fail_servers}-l3{l3:g}", policy, args.fail_servers, l3, True))
-    for policy in POLICIES:
-        for l3 in args.l3_sweep_gb:
-            out.append((f"c-{policy}-n{args.fail_servers}-l3{l3:g}", policy, args.fail_servers, l3, True))
+            add("a", n, l3, False)
+    for l3 in (0.0, args.l3_gb):
+        add("b", args.fail_servers, l3, True)
+    for l3 in args.l3_sweep_gb:
+        add("c", args.fail_servers, l3, True)
     return out
 
 
@@ -126,21 +156,25 @@ def markdown(results: list, args) -> str:
             lines.append(f"| {r['policy']} | {r['servers']} | {r['l3_gb']:g} | {pct(r['token_hit_rate'])} | "
                          f"{r['l3_hit_tokens'] / 1e6:.2f} | {sec(r['ttft_p95_s'])} | {sec(r['ttft_p99_s'])} |")
     lines += ["", f"## (b) server 0 fails at mid-run, {args.fail_servers} servers (simulated)", "",
-              "| policy | L3 GB | moved sessions | their first TTFT after the move (mean / p95) | same requests without failure |",
-              "|---|---:|---:|---:|---:|"]
+              "| policy | L3 GB | moved sessions | their first TTFT after the move (mean / p95) | of those arriving after the failure (n: mean) | same requests without failure |",
+              "|---|---:|---:|---:|---:|---:|"]
     for r in results:
         if r["cell"].startswith("b-"):
             m, b = r.get("moved_first_ttft", {}), r.get("moved_first_ttft_without_failure", {})
+            f = r.get("moved_first_ttft_arrived_after", {})
             lines.append(f"| {r['policy']} | {r['l3_gb']:g} | {r['moved_sessions']} | {sec(m.get('mean_s'))} / "
-                         f"{sec(m.get('p95_s'))} | {sec(b.get('mean_s'))} / {sec(b.get('p95_s'))} |")
+                         f"{sec(m.get('p95_s'))} | {f.get('count', '-')}: {sec(f.get('mean_s'))} | "
+                         f"{sec(b.get('mean_s'))} / {sec(b.get('p95_s'))} |")
     lines += ["", f"## (c) L3 capacity, {args.fail_servers} servers with the failure (simulated)", "",
-              "| policy | L3 GB | cluster hit rate | L3 hit Mtok | L3 peak GB | moved first TTFT mean |",
-              "|---|---:|---:|---:|---:|---:|"]
+              "| policy | L3 GB | cluster hit rate | p95 TTFT | L3 hit Mtok | L3 peak GB | objects the master evicted / the servers deleted | moved first TTFT mean | arriving after the failure |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r["cell"].startswith("c-"):
-            lines.append(f"| {r['policy']} | {r['l3_gb']:g} | {pct(r['token_hit_rate'])} | "
+            lines.append(f"| {r['policy']} | {r['l3_gb']:g} | {pct(r['token_hit_rate'])} | {sec(r['ttft_p95_s'])} | "
                          f"{r['l3_hit_tokens'] / 1e6:.2f} | {r.get('l3_peak_used_bytes', 0) / 1e9:.1f} | "
-                         f"{sec(r.get('moved_first_ttft', {}).get('mean_s'))} |")
+                         f"{r.get('l3_evicted_objects', 0):,} / {r.get('l3_deleted_objects', 0):,} | "
+                         f"{sec(r.get('moved_first_ttft', {}).get('mean_s'))} | "
+                         f"{sec(r.get('moved_first_ttft_arrived_after', {}).get('mean_s'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -153,7 +187,7 @@ def plot(results: list, path: Path) -> None:
         print("matplotlib missing: no plot", file=sys.stderr)
         return
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
-    for policy in POLICIES:
+    for policy in sorted({r["policy"] for r in results}):
         for l3 in sorted({r["l3_gb"] for r in results if r["cell"].startswith("a-")}):
             rows = sorted((r for r in results if r["cell"].startswith("a-") and r["policy"] == policy
                            and r["l3_gb"] == l3), key=lambda r: r["servers"])
@@ -183,6 +217,8 @@ def main() -> int:
     ap.add_argument("--fail-servers", type=int, default=4)
     ap.add_argument("--l3-gb", type=float, default=200.0)
     ap.add_argument("--l3-sweep-gb", type=float, nargs="+", default=[0, 25, 50, 100, 200, 400])
+    ap.add_argument("--l3-rankings", nargs="+", choices=("eq7", "lru"), default=["eq7", "lru"],
+                    help="what leaves L3 for histate: its eq. 7 ledger (core/l3_ledger.py), the master's LRU, or both side by side")
     ap.add_argument("--l3-link-gbps", type=float)
     ap.add_argument("--l3-op-latency-ms", type=float)
     ap.add_argument("--live-per-server", type=int, default=8)
@@ -205,8 +241,8 @@ def main() -> int:
             return it
     todo = cells(args)
     results = []
-    for name, policy, n, l3, fail in tqdm(todo, desc="scaleout", unit="cell"):
-        results.append({**run_cell(args, name, policy, n, l3, fail), "policy": policy})
+    for name, label, policy, ranking, n, l3, fail in tqdm(todo, desc="scaleout", unit="cell"):
+        results.append({**run_cell(args, name, policy, n, l3, fail, ranking), "policy": label})
     args.docs.mkdir(parents=True, exist_ok=True)
     table = markdown(results, args)
     (args.out / "scaleout.md").write_text(table)

@@ -379,6 +379,13 @@ def _add_serve_parser(sub) -> None:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--out", type=Path, default=Path("out/cluster"), help="report.md, summary.json, requests.csv, logs")
     k.add_argument("--no-progress", action="store_true")
+    k.add_argument("--router-policy", choices=("manual", "round_robin", "cache_aware"), default="manual",
+                   help="sglang-router policy (manual: sticky on the root session id; round_robin spreads "
+                        "requests and splits sessions; cache_aware is refused, see docs/scaleout.md)")
+    k.add_argument("--faults", action="store_true",
+                   help="instead: every L3 fault scenario (garbage, truncated, full, slow, store-kill, "
+                        "master-restart) on one cluster, one line each (histate.cluster.faults); "
+                        "--workers, --sessions, --turns, --seed apply")
 
 
 def resolve_workload_settings(args, model_name: str) -> dict:
@@ -752,8 +759,13 @@ def cluster_command(args) -> int:
     from .cluster.run import ClusterOptions, cold_output_digests, format_report, run_cluster, summarize, write_report
     from .l3.services import unavailable_reason
 
+    if args.router_policy == "cache_aware":
+        from .cluster.policies import CACHE_AWARE_REFUSAL
+
+        print(f"histate cluster: error: --router-policy cache_aware: {CACHE_AWARE_REFUSAL}", file=sys.stderr)
+        return 2
     try:
-        options = ClusterOptions(num_workers=args.workers, kill_worker=args.kill_worker,
+        options = ClusterOptions(num_workers=args.workers, kill_worker=args.kill_worker, router_policy=args.router_policy,
                                  kill_after_fraction=args.kill_after,
                                  max_live_sessions=args.max_live_sessions or args.sessions,
                                  seed=args.seed, l3_segment_bytes=int(args.l3_mib * 2**20),
@@ -770,6 +782,8 @@ def cluster_command(args) -> int:
     if router_executable() is None:
         print("histate cluster: error: sglang-router is not installed (make venv installs it)", file=sys.stderr)
         return 2
+    if args.faults:
+        return _cluster_faults(args)
     workload = cluster_workload(args)
     runs = run_cluster(workload, options, args.out / "logs")
     summary = summarize(runs, cold_output_digests(workload, args.seed))
@@ -777,6 +791,22 @@ def cluster_command(args) -> int:
     print(format_report(summary))
     print(f"wrote {args.out}/report.md, summary.json, requests.csv")
     return 0
+
+
+def _cluster_faults(args) -> int:
+    """`histate cluster --faults`: one line per scenario; exit 1 when any answer was wrong, a fault did
+    not fire, or a request stalled past the bound."""
+    from .cluster.faults import STALL_BOUND_S, FaultOptions, fired_count, format_line, run_faults
+
+    results = run_faults(FaultOptions(num_workers=args.workers, sessions=args.sessions, turns=args.turns,
+                                      seed=args.seed, progress=not args.no_progress), args.out / "fault-logs")
+    failed = False
+    for r in results:
+        print(format_line(r))
+        fired = fired_count(r)
+        failed |= r.wrong > 0 or (fired is not None and fired <= 0) or r.max_ttft_s >= STALL_BOUND_S
+    print(f"stall bound {STALL_BOUND_S:g} s; " + ("FAILED" if failed else "every fault a miss, 0 wrong answers"))
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:

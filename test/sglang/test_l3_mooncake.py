@@ -251,26 +251,66 @@ def test_restorable_prefix_needs_the_trailing_state_in_ssd_or_l3(mooncake, monke
 
 # --- faults: foreign objects, a dead store service ---------------------------------------------------
 
-def test_an_l3_object_of_another_size_is_a_miss_and_same_size_garbage_is_not_detectable(
-        mooncake, monkeypatch, tmp_path):
+def test_an_l3_object_of_another_size_is_a_miss(mooncake, monkeypatch, tmp_path):
     _use(mooncake, monkeypatch)
     a, pa = _histate_server(tmp_path)
-    keys = _keys(3)
-    idx = pa.fill_pages(3, seed=9)
+    keys = _keys(1)
+    idx = pa.fill_pages(1, seed=9)
     page_half = len(pa.page_bytes(idx, 0)) // 2  # one object: K or V of a page
     store = a.l3.store.store  # the MooncakeDistributedStore under SGLang's MooncakeStore
-    # p0: a foreign writer's objects of the wrong size; p1: the right size, foreign bytes.
-    assert store.put(_kv_objects(keys[0])[0], b"\x01" * (page_half // 2)) == 0
-    assert store.put(_kv_objects(keys[0])[1], b"\x01" * (page_half // 2)) == 0
-    assert store.put(_kv_objects(keys[1])[0], b"\x02" * page_half) == 0
-    assert store.put(_kv_objects(keys[1])[1], b"\x02" * page_half) == 0
-    assert a.batch_exists(keys[:2]) == 2  # presence cannot see sizes (stock's rule too)
-    dest = pa.kv.alloc(2 * pa.page)
-    loaded = a.batch_get_v1(keys[:2], dest)
-    # The short object is a miss (stock batch_get_v1 would report it loaded: it only checks > 0).
-    assert loaded == [False, True]
-    # Same-size foreign bytes: stock objects carry no checksum, so they are read as they are.
-    assert pa.page_bytes(dest, 1) == b"\x02" * (2 * page_half)
+    for obj in _kv_objects(keys[0]):  # a foreign writer's objects of the wrong size
+        assert store.put(obj, b"\x01" * (page_half // 2)) == 0
+    assert a.batch_exists(keys) == 1  # presence cannot see sizes (stock's rule too)
+    # A miss (stock batch_get_v1 would report it loaded: it only checks > 0).
+    assert a.batch_get_v1(keys, pa.kv.alloc(pa.page)) == [False]
+    a.close()
+
+
+def test_same_size_garbage_over_a_histate_page_fails_its_digest_and_is_a_miss(mooncake, monkeypatch, tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from histate.l3.digests import DIGEST_SUFFIX
+
+    _use(mooncake, monkeypatch)
+    a, pa = _histate_server(tmp_path)
+    c, pc = _histate_server(tmp_path, name="c")  # another HiState server: empty SSD, reads from L3
+    keys = _keys(2)
+    idx, slots = pa.fill_pages(2, seed=21), pa.fill_states(1, seed=22)
+    assert a.batch_set_v1(keys, idx) == [True, True]
+    assert a.batch_set_v2([_mamba(keys[1:], slots)]) == {PoolName.MAMBA: [True]}
+    store = a.l3.store.store
+    digest_objects = [o + DIGEST_SUFFIX for k in keys for o in _kv_objects(k)] + \
+        [o + DIGEST_SUFFIX for o in _state_objects(keys[1])]
+    assert store.batch_is_exist(digest_objects) == [1] * 6  # one digest per object written
+    # Same size, other bytes, written over page 1's V object and the state's temporal object.
+    for obj in (_kv_objects(keys[1])[1], _state_objects(keys[1])[0]):
+        blob = store.get(obj)
+        assert store.upsert(obj, bytes(b ^ 0xFF for b in blob)) == 0
+        assert len(store.get(obj)) == len(blob)  # the injection took
+    dest, dest_slots = pc.kv.alloc(2 * pc.page), pc.state.alloc(1)
+    assert c.batch_get_v1(keys, dest) == [True, False]
+    assert c.batch_get_v2([_mamba(keys[1:], dest_slots)]) == {PoolName.MAMBA: [False]}
+    assert pc.page_bytes(dest, 0) == pa.page_bytes(idx, 0)  # the intact page is exactly A's
+    stats = c.histate_stats()
+    assert stats["l3_digest_mismatches"] == 2 and stats["l3_unverified"] == 0
+    a.close()
+    c.close()
+
+
+def test_stock_written_objects_have_no_digest_and_are_read_unverified_unless_required(
+        mooncake, monkeypatch, tmp_path):
+    _use(mooncake, monkeypatch)
+    b, pb = _stock_server()
+    a, pa = _histate_server(tmp_path)
+    keys = _keys(1)
+    idx_b = pb.fill_pages(1, seed=23)
+    assert b.batch_set_v1(keys, idx_b) == [True]
+    dest = pa.kv.alloc(pa.page)
+    assert a.batch_get_v1(keys, dest) == [True]
+    assert pa.page_bytes(dest, 0) == pb.page_bytes(idx_b, 0)
+    assert a.histate_stats()["l3_unverified"] == 2  # its K and V objects
+    a.l3.require_digests = True  # a HiState-only fleet
+    assert a.batch_get_v1(keys, pa.kv.alloc(pa.page)) == [False]
     a.close()
 
 

@@ -309,3 +309,45 @@ def test_l3_is_asked_only_past_what_the_reader_holds():
     assert store.restorable_pages([0, 1, 2, 3]) == 0
     assert store.restorable_pages([0, 1, 2, 3], held_pages=1) == 4
     assert store.restorable_pages([0, 1, 2, 3], held_pages=4) == 4
+
+
+# --- what leaves L3: the servers' eq. 7 ledgers (core/l3_ledger.py) vs the master's LRU alone ------
+
+def _leading_pages_case():
+    """Session "s" (server 0) writes pages 0..9 + state at t ~ 0 and pages 10, 11 + state at t ~ 10;
+    session "t" (server 1) then writes six unrelated 20-page bundles 30 s apart (its prompt is
+    rewritten each turn: distinct keys). Server 0 dies at 300 s; s's third turn (pages 0..13) arrives at
+    ~410 s on server 1."""
+    s = Session("s", (Request(0, "s", 0, 640, 1, tuple(range(10)), 0.0),
+                      Request(1, "s", 1, 768, 1, tuple(range(12)), 10.0),
+                      Request(2, "s", 2, 896, 1, tuple(range(14)), 400.0)))
+    t = Session("t", tuple(Request(3 + i, "t", i, 1280, 1, tuple(range(1000 * (i + 1), 1000 * (i + 1) + 20)),
+                                   30.0 if i else 5.0) for i in range(6)))
+    return Workload("leading-pages", [s, t], WorkloadStats(sessions=2, requests=9))
+
+
+@pytest.mark.parametrize("ranking", ["eq7", "lru"])
+def test_eq7_ledgers_keep_the_leading_pages_the_masters_lru_drops(ranking):
+    """A page is 2 MiB (64 tokens) and a state 51.5 MB in this model, so s's two bundles take 128 MB
+    and each of t's 93.4 MB; the store holds 400 MB (watermark 360 MB). t alone writes 560 MB.
+    * Master's LRU alone: s's pages 0..9 are the store's oldest objects (written once, never read
+      back by server 0, which holds them) and leave first, so after the failure s's third turn
+      restores nothing: it recomputes all 14 pages.
+    * eq. 7 ledgers, 0.85 x 400 MB / 2 = 170 MB a server: server 1 keeps only its newest t bundle
+      (two are 187 MB) and deletes the older ones itself; server 0's 128 MB fit. The store never
+      passes its watermark, the master evicts nothing, and s's third turn restores its turn-2 bundle
+      from L3: 12 pages = 768 tokens.
+    (Bugs caught: ledger deletes not applied to the store; a ledger that deletes another
+    session's leading pages; a budget that is the whole capacity per server.)"""
+    w = _leading_pages_case()
+    config = ReplayConfig(max_live_sessions=2, stagger_s=0.0)
+    run = replay_cluster(w, "histate", config, ClusterConfig(
+        num_servers=2, router="fixed", placement={"s": 0, "t": 1}, l3_store=L3StoreConfig(400 * 10**6),
+        l3_ranking=ranking, fail_server=(0, 300.0)))
+    assert run.server_of_uid[1] == 0 and run.server_of_uid[2] == 1 and 2 in run.first_after_move_uids
+    if ranking == "eq7":
+        assert run.l3_stats.deleted_objects > 0 and run.l3_stats.evicted_objects == 0
+        assert run.l3_hit_tokens_by_uid[2] == 768
+    else:
+        assert run.l3_stats.deleted_objects == 0 and run.l3_stats.evicted_objects > 0
+        assert run.l3_hit_tokens_by_uid[2] == 0

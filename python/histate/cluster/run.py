@@ -60,6 +60,7 @@ class ClusterOptions:
     worker_args: tuple = ()            # extra `histate serve` flags (tier budgets, policy)
     request_timeout_s: float = 120.0
     progress: bool = True
+    router_policy: str = "manual"      # or round_robin (cache_aware is refused: cluster/policies.py)
 
     def __post_init__(self) -> None:
         if self.num_workers < 2:
@@ -128,7 +129,7 @@ def _one_run(name: str, workload: Workload, options: ClusterOptions, log_dir: Pa
             worker_args += ["--l3-master", mooncake.master_address]
         pool = WorkerPool(options.num_workers, extra_args=worker_args)
         pool.start()
-        router = Router(pool.urls)
+        router = Router(pool.urls, policy=options.router_policy)
         router.start()
         result = RunResult(name, [], list(pool.urls), root_ids(workload))
         threshold = options.kill_after_fraction * workload.num_requests

@@ -26,6 +26,13 @@ terminal bundle at 200 / 100 GB, 0.19 / 0.41 s writing every held state; on Weka
 up (sglang_plugin/l3_tier.py); the reference worker and the simulator's cluster mode call this
 function.
 
+What leaves L3 is ranked too, by the same eq. 7, in `core/l3_ledger.py`: each server keeps a ledger of
+the bundles it wrote (or read) and deletes the lowest-ranked ones beyond its share of a fleet budget set
+below the master's watermark, so the master's object LRU -- which drops a session's leading pages
+first, written once and never read back by their holder, and with them every later bundle of the
+session -- rarely fires. Writers confirm their `already_written` hints against what the store lists
+before skipping a page (reference/l3_tier.py `_confirm_written`; the simulator the same).
+
 Placement hints (Mooncake `ReplicateConfig`; the master may ignore or outlive them, so they are
 hints, never correctness):
   * the deepest state and its page are soft-pinned with a TTL: the live session's latest state is

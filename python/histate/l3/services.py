@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -102,7 +103,9 @@ class LoopbackMooncake:
     """`with LoopbackMooncake() as mc:` a master and a store service of `segment_size_bytes` on 127.0.0.1.
 
     `mc.env` is what a client process needs; `kill_store()` SIGKILLs the store service (all objects
-    go), `start_store()` brings a fresh, empty one back on the same port. Everything started is
+    go), `start_store()` brings a fresh, empty one back on the same port; `kill_master()` /
+    `start_master()` do the same to the master, `pause_store()` / `resume_store()` SIGSTOP / SIGCONT
+    the store service (the fault scenarios of histate.cluster.faults). Everything started is
     stopped on exit, also on error. Processes run in their own process groups so that a stop
     reaches the binary behind any wrapper.
     """
@@ -126,6 +129,7 @@ class LoopbackMooncake:
         self._master: Optional[subprocess.Popen] = None
         self._store: Optional[subprocess.Popen] = None
         self._store_starts = 0
+        self._master_starts = 0
 
     @property
     def env(self) -> dict:
@@ -144,21 +148,47 @@ class LoopbackMooncake:
         return proc, log
 
     def start(self) -> "LoopbackMooncake":
-        bins = mooncake_binaries()
-        o = self.options
-        self._master, log = self._spawn([
-            str(bins / "mooncake_master"), f"--rpc_address={LOOPBACK}", f"--rpc_port={self.master_port}",
-            f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
-            f"--eviction_high_watermark_ratio={o.eviction_high_watermark_ratio}",
-            f"--eviction_ratio={o.eviction_ratio}", f"--default_kv_lease_ttl={o.default_kv_lease_ttl_ms}",
-        ], "master.log")
         try:
-            _wait_listening(self.master_port, self._master, "mooncake_master", log, START_TIMEOUT_S)
+            self.start_master()
             self.start_store()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def start_master(self) -> None:
+        """Start the master (again, on the same port): a restarted master knows no objects; the store
+        service mounts its segment on it again by itself (its heartbeat), and clients reconnect."""
+        if self._master is not None and self._master.poll() is None:
+            return
+        self._master_starts += 1
+        o = self.options
+        self._master, log = self._spawn([
+            str(mooncake_binaries() / "mooncake_master"), f"--rpc_address={LOOPBACK}", f"--rpc_port={self.master_port}",
+            f"--metrics_host={LOOPBACK}", f"--metrics_port={self.metrics_port}",
+            f"--eviction_high_watermark_ratio={o.eviction_high_watermark_ratio}",
+            f"--eviction_ratio={o.eviction_ratio}", f"--default_kv_lease_ttl={o.default_kv_lease_ttl_ms}",
+        ], f"master-{self._master_starts}.log")
+        _wait_listening(self.master_port, self._master, "mooncake_master", log, START_TIMEOUT_S)
+
+    def kill_master(self) -> None:
+        """SIGKILL the master, as a crash would: its object metadata is gone (the store service's bytes
+        stay, unreachable by key)."""
+        if self._master is not None:
+            end_process_group(self._master, STOP_TIMEOUT_S, first_signal=signal.SIGKILL)
+
+    def pause_store(self) -> None:
+        """SIGSTOP the store service: it holds its connections but answers nothing (a slow or hung
+        node, without tc). `resume_store` lets it go on."""
+        os.killpg(self._store.pid, signal.SIGSTOP)
+
+    def resume_store(self) -> None:
+        os.killpg(self._store.pid, signal.SIGCONT)
+
+    def all_keys(self) -> list:
+        """Every key the master lists (its HTTP `/get_all_keys`, on the metrics port)."""
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{self.metrics_port}/get_all_keys", timeout=5.0) as resp:
+            return [k for k in resp.read().decode().splitlines() if k]
 
     def start_store(self) -> None:
         """Start the store service (again): its segment is empty."""
@@ -186,7 +216,17 @@ class LoopbackMooncake:
     def kill_store(self) -> None:
         """SIGKILL the store service, as a crash would: its segment and every object in it are gone."""
         if self._store is not None:
+            self._continue(self._store)
             end_process_group(self._store, STOP_TIMEOUT_S, first_signal=signal.SIGKILL)
+
+    @staticmethod
+    def _continue(proc: subprocess.Popen) -> None:
+        """SIGCONT a possibly paused process (a stopped process cannot exit on SIGTERM)."""
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def store_alive(self) -> bool:
         return self._store is not None and self._store.poll() is None
@@ -194,6 +234,7 @@ class LoopbackMooncake:
     def stop(self) -> None:
         for proc in (self._store, self._master):
             if proc is not None:
+                self._continue(proc)
                 end_process_group(proc, STOP_TIMEOUT_S)
         self._store = self._master = None
 

@@ -148,7 +148,7 @@ class ReferenceExecutor:
         else:
             raise StoreMismatch("lost objects kept reappearing in the match")
         try:
-            l3_hit = self.l3.read(keys, c, self.l3_codec) if self.l3 is not None else None
+            l3_hit = self.l3.read(keys, c, self.l3_codec, now_s) if self.l3 is not None else None
             resume_pages = l3_hit.end_page if l3_hit is not None else c
             if l3_hit is not None:
                 kv_pages, checkpoint = kv_pages + l3_hit.kv_pages, l3_hit.checkpoint
@@ -175,7 +175,7 @@ class ReferenceExecutor:
         self.cache.finish_request(lease, keys, now_s, checkpoint_pages=reported)
         self._apply(self.cache.drain_ops(), staged)
         if self.l3 is not None:
-            self._write_l3(keys, cache)
+            self._write_l3(keys, cache, now_s)
         page_bytes = self.geometry.kv_page_size_bytes
         return ServedRequest(
             num_input_tokens=len(token_ids),
@@ -227,7 +227,7 @@ class ReferenceExecutor:
 
     # --- the L3 tier's write path ------------------------------------------------------------
 
-    def _write_l3(self, keys: list, cache) -> None:
+    def _write_l3(self, keys: list, cache, now_s: float) -> None:
         """Put this request's terminal bundle (the deepest checkpoint the core now holds on its path, and
         the KV before it) to L3. KV comes from the request's own cache, which holds exactly
         the bytes the tiers got; the state from the tier the core placed it in."""
@@ -235,7 +235,8 @@ class ReferenceExecutor:
         holders = {node.depth_pages: node for node in path if node.ckpt_mask}
         self.l3.write_bundle(keys, sorted(holders), _shared_pages(path),
                              lambda n: kv_pages_from_cache(cache, self.geometry, 0, n),
-                             lambda depth: self._packed_state(keys[depth - 1], holders[depth]), self.l3_codec)
+                             lambda depth: self._packed_state(keys[depth - 1], holders[depth]), self.l3_codec,
+                             now_s)
 
     def _packed_state(self, key: PageKey, node) -> torch.Tensor | None:
         """The packed checkpoint the core holds at `node`, or None when its only copy is a lost SSD

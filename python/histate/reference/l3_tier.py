@@ -28,6 +28,7 @@ import torch
 from histate_kernels import CheckpointLayout
 
 from histate.core import L3Put, L3WriteConfig, plan_l3_writes, restorable_pages
+from histate.core.l3_ledger import L3Deletes, L3Ledger
 from histate.l3.client import L3Client, PutHints
 from histate.reference.hybrid_cache import Checkpoint
 from histate.reference.model import StateGeometry
@@ -115,6 +116,8 @@ class L3TierStats:
     states_skipped: int = 0        # the terminal state could not be read locally (lost SSD object): its KV only
     objects_put: int = 0
     object_put_failures: int = 0
+    objects_deleted: int = 0       # removed by this worker's eq. 7 ledger (core/l3_ledger.py)
+    object_delete_failures: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -135,10 +138,13 @@ class L3Tier:
     stats: L3TierStats = field(default_factory=L3TierStats)
     known_kv: set = field(default_factory=set)
     known_state: set = field(default_factory=set)
+    ledger: Optional[L3Ledger] = None
+    """This worker's bundles in L3, ranked by eq. 7 (core/l3_ledger.py): after each write it removes the
+    lowest-ranked ones beyond its budget share, so the master's LRU rarely has to. None: the master alone."""
 
     # --- read path -------------------------------------------------------------------------------
 
-    def read(self, keys: Sequence[PageKey], local_pages: int, codec: L3Codec) -> Optional[L3Hit]:
+    def read(self, keys: Sequence[PageKey], local_pages: int, codec: L3Codec, now_s: float = 0.0) -> Optional[L3Hit]:
         """The longest whole prefix L3 extends the local resume point `local_pages` to, or None."""
         self.stats.lookups += 1
         beyond = list(keys[local_pages:])
@@ -159,6 +165,8 @@ class L3Tier:
             self.stats.hit_pages += hit.num_pages
             self.known_kv.update(keys[hit.first_page:hit.end_page])
             self.known_state.add(keys[hit.end_page - 1])
+            if self.ledger is not None:  # the bundle read is this worker's now (as in sim/cluster.py)
+                self.ledger.record(keys[:hit.end_page], now_s)
         return hit
 
     def _read_whole_prefix(self, keys, local_pages: int, listed_end: int, state_listed: list,
@@ -169,6 +177,7 @@ class L3Tier:
         for key in keys[local_pages:listed_end]:
             page = codec.decode_kv_page(self.client.get(kv_object_name(key)))
             if page is None:
+                self.known_kv.discard(key)  # gone, torn or foreign (the client removed a torn one): re-put it
                 break
             kv_pages.append(page)
         kv_read = [True] * (local_pages + len(kv_pages))
@@ -178,6 +187,7 @@ class L3Tier:
             checkpoint = codec.decode_state(self.client.get(state_object_name(keys[depth - 1])),
                                             depth * codec.geometry.page_num_tokens)
             if checkpoint is None:
+                self.known_state.discard(keys[depth - 1])
                 continue
             end_page = restorable_pages(kv_read, [False] * (depth - 1) + [True])
             return L3Hit(local_pages, end_page, kv_pages[:end_page - local_pages], checkpoint)
@@ -194,7 +204,7 @@ class L3Tier:
 
     def write_bundle(self, keys: Sequence[PageKey], state_depths: Sequence[int], shared_pages: int,
                      kv_pages_of: Callable[[int], list], packed_state_at: Callable[[int], Optional[torch.Tensor]],
-                     codec: L3Codec) -> list[L3Put]:
+                     codec: L3Codec, now_s: float = 0.0) -> list[L3Put]:
         """Put this request's terminal bundle as core/l3_policy.py plans it (the pages and state not already
         in L3 from this worker) and return the puts planned. Synchronous: the reference worker serves
         one request at a time, and a put finishing before the next request is simplest to reason about.
@@ -205,6 +215,7 @@ class L3Tier:
         self._confirm_written(keys, state_depths)
         puts = plan_l3_writes(len(keys), state_depths, lambda i: keys[i] in self.known_kv, shared_pages,
                               self.write_config, state_already_written=lambda i: keys[i] in self.known_state)
+        self._rank_and_delete(keys, state_depths, now_s)
         if not puts:
             return puts
         pages = kv_pages_of(max(put.page_index for put in puts) + 1)
@@ -216,6 +227,28 @@ class L3Tier:
             self._put_page(keys, put, pages, packed, codec)
         self.stats.paths_written += 1
         return puts
+
+    def _rank_and_delete(self, keys: Sequence[PageKey], state_depths: Sequence[int], now_s: float) -> None:
+        """Record this request's bundle in the ledger and remove what eq. 7 ranks lowest beyond the
+        budget, before the puts (they take the room). `now_s`: the request's own time, the clock every
+        rank of this worker agrees on."""
+        depth = max([d for d in state_depths if 0 < d <= len(keys)], default=0)
+        if self.ledger is None or not depth:
+            return
+        self.ledger.record(keys[:depth], now_s)
+        self._delete(self.ledger.plan_deletes(protect=keys[depth - 1]))
+
+    def _delete(self, deletes: L3Deletes) -> None:
+        """Remove the ledger's victims (Mooncake `remove`); a refused remove (a reader's lease) leaves the
+        object to the master's LRU, and either way this worker no longer claims it."""
+        for keys, known, name_of in ((deletes.state_keys, self.known_state, state_object_name),
+                                     (deletes.kv_keys, self.known_kv, kv_object_name)):
+            for key in keys:
+                known.discard(key)
+                if self.client.remove(name_of(key)):
+                    self.stats.objects_deleted += 1
+                else:
+                    self.stats.object_delete_failures += 1
 
     def _confirm_written(self, keys: Sequence[PageKey], state_depths: Sequence[int]) -> None:
         """Forget the pages of this path we wrote that the store no longer lists (evicted, or lost

@@ -21,9 +21,11 @@ What this module adds to stock, and only that:
     short read answers False for the page; SGLang never sees an exception from L3;
   * a read must return exactly the bytes of the destination (`batch_get_into` reports bytes read):
     an object of another size (a foreign layout, another model's page under the same key) is a
-    miss, where stock `batch_get_v1` only checks `> 0`. What cannot be detected: an object of the
-    right size with wrong bytes (a bit flip, a same-size foreign writer). Stock objects carry no
-    checksum, and adding one would change the bytes stock servers read, so HiState does not;
+    miss, where stock `batch_get_v1` only checks `> 0`. An object of the right size with wrong
+    bytes (a bit flip, a same-size foreign writer) is caught by a digest HiState writes beside each
+    object it puts, under a key stock never reads (histate/l3/digests.py): a mismatch is a miss.
+    Stock-written objects have no digest and are used unverified (counted), unless
+    `require_digests` (a HiState-only fleet);
   * `written`: object groups this server put, so a re-backup skips them (`plan_l3_writes`'
     already_written); a page read back as missing is forgotten (the master evicted it);
   * a dead store service: its objects go, but the master keeps answering `batch_is_exist` = 1 for
@@ -53,6 +55,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from histate.l3 import digests
+
 PUT_RETRY_BACKOFF_S = 0.01
 """Wait before retrying puts a full store refused (histate/l3/client.py, NO_SPACE)."""
 
@@ -73,6 +77,8 @@ class L3Stats:
     written_bytes: int = 0
     write_failures: int = 0
     errors: int = 0
+    digest_mismatches: int = 0   # objects read whose HiState digest differs: misses (histate/l3/digests.py)
+    unverified: int = 0          # objects read without a digest (stock-written): used unless require_digests
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **amounts: int) -> None:
@@ -83,7 +89,8 @@ class L3Stats:
     def snapshot(self) -> dict:
         with self.lock:
             return {f"l3_{k}": getattr(self, k) for k in
-                    ("hits", "misses", "read_bytes", "written_bytes", "write_failures", "errors")}
+                    ("hits", "misses", "read_bytes", "written_bytes", "write_failures", "errors",
+                     "digest_mismatches", "unverified")}
 
 
 def open_mooncake_store(storage_config: Any, mem_pool_host: Any = None) -> Any:
@@ -98,7 +105,7 @@ class L3Tier:
     """Reads, presence and writes of KV pages and pool states in the shared store (module doc)."""
 
     def __init__(self, storage_config: Any, mem_pool_host: Any = None, *, store: Any = None,
-                 on_io: Optional[Callable[..., None]] = None) -> None:
+                 on_io: Optional[Callable[..., None]] = None, require_digests: bool = False) -> None:
         self.store = store if store is not None else open_mooncake_store(storage_config, mem_pool_host)
         self.stats = L3Stats()
         self.on_io = on_io  # metrics hook: on_io(read_bytes=..., written_bytes=..., hits=..., misses=...)
@@ -107,6 +114,7 @@ class L3Tier:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.down_events = 0
+        self.require_digests = require_digests  # a HiState-only fleet: an object without a digest is a miss
 
     @property
     def available(self) -> bool:
@@ -230,7 +238,32 @@ class L3Tier:
                  for res, size in zip(results, sizes)]
         if len(exact) != len(objects):
             return [False] * (len(objects) // max(1, per_page))
-        return self._per_page(exact, per_page)
+        return self._per_page(self._verify(objects, ptrs, sizes, exact), per_page)
+
+    def _verify(self, objects: List[str], ptrs: list, sizes: list, exact: List[bool]) -> List[bool]:
+        """Same-size garbage is a miss: check what was read against HiState's digests."""
+        try:
+            verdicts, mismatches, unverified = digests.verify(self.store.store, objects, ptrs, sizes, exact,
+                                                              self.require_digests)
+        except Exception:
+            self._fault("digest check")
+            return [False] * len(objects)
+        if mismatches or unverified:
+            self.stats.add(digest_mismatches=mismatches, unverified=unverified)
+        if mismatches:
+            logger.warning("HiState L3: %d object(s) failed their digest; read as misses", mismatches)
+        return verdicts
+
+    def _guarded_digests(self, object_layout: Callable[[], tuple], done: List[bool]) -> None:
+        """After a put: the digest of each object of each page written (histate/l3/digests.py). A
+        digest that fails to go in leaves its object unverified, never a put failure."""
+        if not any(done):
+            return
+        try:
+            objects, ptrs, sizes, per_page = object_layout()
+            digests.put_digests(self.store.store, objects, ptrs, sizes, [ok for ok in done for _ in range(per_page)])
+        except Exception:
+            self._fault("digest write")
 
     def get_kv(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         """Read KV pages into `host_indices` (page_size indices a page); False pages were not loaded."""
@@ -295,6 +328,7 @@ class L3Tier:
         page = len(host_indices) // len(keys)
         done = self._retry_failed(done, lambda idx: self.store.batch_set_v1(
             [keys[i] for i in idx], torch.cat([host_indices[i * page:(i + 1) * page] for i in idx])))
+        self._guarded_digests(lambda: self._kv_objects(keys, host_indices), done)
         self._after_put(keys, done, self._written_kv, self.store.mem_pool_host.get_ksize_per_token()
                         * self.store.mem_pool_host.page_size * 2 if done else 0)
         return done
@@ -309,6 +343,7 @@ class L3Tier:
             self._fault(f"{transfer.name} write")
             done = [False] * len(keys)
         done = self._retry_failed(done, lambda idx: self._put_pool_subset(transfer, idx))
+        self._guarded_digests(lambda: self._pool_objects(transfer, True), done)
         host_pool = self.store.registered_pools.get(transfer.name)
         page_bytes = getattr(host_pool, "size_per_token", 0) * (getattr(host_pool, "page_size", 1) or 1)
         self._after_put(keys, done, self._written_state, page_bytes)

@@ -17,6 +17,9 @@ L3 (l3.py, link: l3_link.py). Only policies a real server can run against Moonca
     sidecars together); here: every KV page of the request's inserted path and the state at every
     position the cache kept, minus objects the store already holds (HiCache asks storage which
     pages exist before writing).
+What leaves L3 (`ClusterConfig.l3_ranking`): with "eq7" each `histate` server keeps a
+ledger of its bundles (core/l3_ledger.py) and deletes, with its puts, the lowest eq. 7 ones beyond its
+share of `l3_budget_ratio` x capacity; "lru" and stock leave it to the master's LRU (l3.py).
 Every other policy runs without L3 in cluster mode. A server's puts are one background operation per
 finished request on its L3 link; the objects become visible when that transfer ends. On admission,
 after the local cache match, the server asks L3 for the longest restorable prefix (read rule,
@@ -46,6 +49,7 @@ from typing import Callable, Mapping, Optional
 
 from ..core import HybridPrefixCache, Tier, make_policy
 from ..core import L3WriteConfig, plan_l3_writes
+from ..core.l3_ledger import L3Ledger, L3LedgerConfig, fleet_share_bytes
 from .admission import CacheGate, engine_profile
 from .costs import get_model
 from .engine import Engine, EngineRequest, EventKind
@@ -58,6 +62,14 @@ from .router import make_router
 
 L3_WRITE_RULES = {"histate": "terminal-bundle", "sglang-hicache": "write-through"}
 """Policies that get the shared L3 in cluster mode, and how each writes it (module docstring)."""
+L3_RANKINGS = ("eq7", "lru")
+"""What leaves L3 for a terminal-bundle writer: "eq7", its own ledger's deletes within its share of
+`l3_budget_ratio` x capacity (core/l3_ledger.py), with the master's LRU as the backstop; "lru", the
+master's LRU alone. Stock write-through always gets the master's LRU alone (stock SGLang deletes nothing)."""
+DEFAULT_L3_BUDGET_RATIO = 0.85
+"""The fleet's L3 budget as a share of the store's capacity: below the master's high watermark (0.90),
+so the servers' own deletes keep it from firing; the margin absorbs puts still in transfer and the
+objects of servers that died."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,10 @@ class ClusterConfig:
     l3_store: L3StoreConfig = field(default_factory=lambda: L3StoreConfig(0))
     l3_link: L3LinkSpec = FLEET_L3_LINK
     l3_write: L3WriteConfig = field(default_factory=L3WriteConfig)
+    l3_ranking: str = "lru"
+    """L3_RANKINGS. "lru" by default: what `histate serve` and the plugin run unless given a ledger (and
+    what the loopback twin, cluster/sim_twin.py, must reproduce); benchmark/scaleout.py runs both."""
+    l3_budget_ratio: float = DEFAULT_L3_BUDGET_RATIO
     fail_server: Optional[tuple] = None   # (server index, simulated time s)
     fail_after_requests: Optional[tuple] = None   # (server index, completed requests cluster-wide)
     placement: Optional[Mapping] = None   # router "fixed": routing key -> server(s) (router.py)
@@ -79,6 +95,10 @@ class ClusterConfig:
     admits through one bench client, so its limit is the fleet's (bench/sessions.py `_admit_all`)."""
 
     def __post_init__(self) -> None:
+        if self.l3_ranking not in L3_RANKINGS:
+            raise ValueError(f"l3_ranking must be one of {L3_RANKINGS}, got {self.l3_ranking!r}")
+        if not 0 < self.l3_budget_ratio <= 1:
+            raise ValueError(f"l3_budget_ratio must be in (0, 1], got {self.l3_budget_ratio}")
         if self.num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
         if self.fail_server is not None and self.fail_after_requests is not None:
@@ -179,9 +199,15 @@ class _Server:
         self.is_alive = True
         self.l3_written_kv: set = set()     # page keys this server put (a hint, core/l3_policy.py)
         self.l3_written_state: set = set()
+        self.l3_visible_s: dict = {}        # (KV|STATE, page key) -> when this server's put of it lands
         self.kv_page_bytes = workload.page_num_tokens * self.cache.config.kv_bytes_per_token
         self.state_bytes = self.cache.config.checkpoint_size_bytes
         self.stats = ServerStats(index)
+        cc = cluster.cluster
+        self.ledger = (L3Ledger(L3LedgerConfig(
+            fleet_share_bytes(int(cc.l3_budget_ratio * cc.l3_store.capacity_bytes), cc.num_servers),
+            workload.page_num_tokens, self.kv_page_bytes, self.state_bytes, self.cache.config.tau_s))
+            if l3_rule == "terminal-bundle" and cc.l3_ranking == "eq7" else None)
 
     def _charge_writes(self, t: float) -> None:
         """CPU / SSD bytes this server's cache wrote become background transfers (replay.py)."""
@@ -191,14 +217,30 @@ class _Server:
     def _read_l3(self, keys: tuple, local_pages: int, now_s: float) -> Optional[tuple]:
         store = self.cluster.l3_at(now_s)
         pages = store.restorable_pages(keys, held_pages=local_pages)
+        kv_whole = True
         for k in keys[pages:]:            # forget puts the master evicted (core/l3_policy.py: a hint)
             if (KV, k) not in store.objects:
                 self.l3_written_kv.discard(k)
+                kv_whole = False
             if (STATE, k) not in store.objects:
                 self.l3_written_state.discard(k)
+            if self.ledger is not None and k in self.ledger and (not kv_whole or (STATE, k) not in store.objects):
+                self.ledger.forget(k)     # no longer whole: the master evicted part of it
         if pages <= local_pages:
             return None
+        if self.ledger is not None:      # the bundle read is this server's now (an agreed event)
+            self.ledger.record(keys[:pages], now_s)
         return pages, store.get(keys, pages, now_s, first_page=local_pages)
+
+    def _confirmed(self, kind: str, key, now_s: float) -> bool:
+        """This server put `(kind, key)` and the store still lists it (or the put is still in transfer)."""
+        written = self.l3_written_kv if kind == KV else self.l3_written_state
+        if key not in written:
+            return False
+        if self.l3_visible_s.get((kind, key), -math.inf) > now_s or self.cluster.store.contains((kind, key)):
+            return True
+        written.discard(key)
+        return False
 
     def _write_l3(self, request, keys: tuple, state_pages, now_s: float) -> None:
         """The finished request's pages entered the cache: submit its L3 puts (module docstring)."""
@@ -206,8 +248,12 @@ class _Server:
         num_pages = len(keys)
         objects = []   # (key, size_bytes, group, soft_pin, replicas)
         if self.l3_rule == "terminal-bundle":
-            puts = plan_l3_writes(num_pages, state_pages, lambda i: keys[i] in self.l3_written_kv, 0,
-                                  self.cluster.cluster.l3_write, lambda i: keys[i] in self.l3_written_state)
+            # the hints are confirmed against what the master lists (reference/l3_tier.py
+            # `_confirm_written`): a bundle's leading pages, written once and never read back by this
+            # server (it holds them), are the first the master's LRU drops, and a stale hint would
+            # never re-put them, breaking every later bundle of the session
+            puts = plan_l3_writes(num_pages, state_pages, lambda i: self._confirmed(KV, keys[i], now_s), 0,
+                                  self.cluster.cluster.l3_write, lambda i: self._confirmed(STATE, keys[i], now_s))
             for put in puts:
                 group = keys[put.group_id_page]
                 objects.append(((KV, keys[put.page_index]), self.kv_page_bytes, group, put.soft_pin, put.replicas))
@@ -221,13 +267,23 @@ class _Server:
             for d in sorted(set(state_pages)):
                 if 0 < d <= num_pages and not store.contains((STATE, keys[d - 1])):
                     objects.append(((STATE, keys[d - 1]), self.state_bytes, keys[d - 1], False, 1))
-        if not objects:
+        deletes = []
+        depths = [d for d in state_pages if 0 < d <= num_pages]
+        if self.ledger is not None and depths:
+            terminal = max(depths)     # the bundle plan_l3_writes wrote, or found already in L3
+            self.ledger.record(keys[:terminal], now_s)
+            planned = self.ledger.plan_deletes(protect=keys[terminal - 1])
+            deletes = [(KV, k) for k in planned.kv_keys] + [(STATE, k) for k in planned.state_keys]
+            for kind, k in deletes:
+                (self.l3_written_kv if kind == KV else self.l3_written_state).discard(k)
+        if not objects and not deletes:
             return
-        for (kind, k), *_ in objects:
-            (self.l3_written_kv if kind == KV else self.l3_written_state).add(k)
         size_bytes = sum(size * replicas for _, size, _, _, replicas in objects)
         visible_s = self.engine.submit_l3_put(size_bytes, 1, now_s)
-        self.cluster.schedule_l3_puts(visible_s, self.index, objects)
+        for (kind, k), *_ in objects:
+            (self.l3_written_kv if kind == KV else self.l3_written_state).add(k)
+            self.l3_visible_s[kind, k] = visible_s
+        self.cluster.schedule_l3_puts(visible_s, self.index, objects, deletes)
 
 
 @dataclass
@@ -277,14 +333,18 @@ class _ClusterReplay(SessionDriver):
         """The store with every put visible by `now_s` applied (in visibility order)."""
         pending = self.pending_puts
         while pending and pending[0][0] <= now_s:
-            visible_s, _, _, objects = heapq.heappop(pending)
+            visible_s, _, _, objects, deletes = heapq.heappop(pending)
+            for key in deletes:   # the writer's own deletes first: they make the room its puts take
+                self.store.remove(key, visible_s)
             for key, size, group, pin, replicas in objects:
                 self.store.put(key, size, visible_s, group=group, soft_pin=pin, replicas=replicas)
         return self.store
 
-    def schedule_l3_puts(self, visible_s: float, server: int, objects: list) -> None:
+    def schedule_l3_puts(self, visible_s: float, server: int, objects: list, deletes=()) -> None:
+        """`objects` become visible at `visible_s`, after `deletes` (the writer's ledger, core/l3_ledger.py)
+        are removed."""
         self.seq += 1
-        heapq.heappush(self.pending_puts, (visible_s, self.seq, server, objects))
+        heapq.heappush(self.pending_puts, (visible_s, self.seq, server, objects, tuple(deletes)))
 
     # --- the event loop ------------------------------------------------------------------------------
     def run(self) -> ClusterRun:

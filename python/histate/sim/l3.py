@@ -72,6 +72,7 @@ class L3Stats:
     puts: int = 0
     puts_rejected: int = 0          # no room even after evicting everything evictable
     gets: int = 0
+    deleted_objects: int = 0        # removed by a writer's own ranking (core/l3_ledger.py), not the master
     evicted_objects: int = 0
     evicted_bytes: int = 0
     eviction_rounds: int = 0        # high-watermark triggers
@@ -124,6 +125,23 @@ class L3Store:
         if self.used_bytes > self.config.eviction_high_watermark_ratio * cap:
             self.stats.eviction_rounds += 1
             self._evict(max(1, math.ceil(self.config.eviction_ratio * len(self.objects))), now_s, protect=group)
+        return True
+
+    def remove(self, key: tuple, now_s: float) -> bool:
+        """A writer deletes `key` (Mooncake `remove(key, force=False)`: one object, not its group).
+        False if the store does not hold it, or holds it under a reader's lease (Mooncake refuses to
+        remove a leased object unless forced; the object then stays for the master to evict)."""
+        obj = self.objects.get(key)
+        if obj is None or obj.lease_until_s > now_s:
+            return False
+        del self.objects[key]
+        members = self.groups.get(obj.group)
+        if members is not None:
+            members.discard(key)
+            if not members:
+                del self.groups[obj.group]
+        self.used_bytes -= obj.size_bytes
+        self.stats.deleted_objects += 1
         return True
 
     # --- reads -----------------------------------------------------------------------------------
