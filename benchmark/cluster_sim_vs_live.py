@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from histate.cli import cluster_workload
+from histate.cluster.workload import cluster_workload
 from histate.cluster.sim_twin import (MiB, TwinOptions, compare, format_table, max_gap_points,
                                       read_live)
 
@@ -48,7 +48,7 @@ def main() -> int:
     live_dir = args.reuse or args.out / "live"
     if args.reuse is None:
         run_live(args, live_dir)
-    workload = cluster_workload(args)   # the CLI's own builder, same flags and seed
+    workload = cluster_workload(args.sessions, args.turns, args.seed)   # the CLI's own builder, same seed
     options = TwinOptions(max_live_sessions=args.max_live_sessions or args.sessions, seed=args.seed,
                           l3_segment_bytes=int(args.l3_mib * MiB), step_overhead_s=None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3)
     table = compare(workload, read_live(live_dir), options)

@@ -4,9 +4,10 @@ Three sweeps, every number simulated:
   (a) scale-out: 1, 2, 4, 8, 16 servers at constant load per server (`--max-live-sessions` per
       server), histate vs sglang-hicache, without L3 and with an L3 of `--l3-gb` GB: cluster token
       hit rate and p95 TTFT;
-  (b) failover: the cluster of `--fail-servers` servers loses server 0 at mid-run (the median arrival of
-      the requests it serves without the failure), with and without
-      L3: the moved sessions' first-request TTFT next to the same requests in a run without failure;
+  (b) failover: the cluster of `--fail-servers` servers loses server 0 at mid-run, with and without
+      L3: the moved sessions' first-request TTFT next to the same requests in a run without failure.
+      The failure moment is the same for every policy and L3 size (fail_time): the median arrival of
+      server 0's requests in one reference run (sglang-hicache, no L3, no failure);
   (c) L3 capacity: cluster hit rate vs L3 GB at `--fail-servers` servers with the failure.
 The L3 link is sim/l3_link.py's FLEET_L3_LINK (0.42 ms per operation measured on loopback, 100 Gbit/s assumed) unless --l3-link-gbps / --l3-op-latency-ms.
 Workload: the synthetic agent workload (what `histate replay` runs without --trace); `--trace` uses
@@ -77,11 +78,77 @@ def cluster_config(args, num_servers: int, l3_gb: float, fail: bool, ranking: st
     return ClusterConfig(num_servers, "manual", L3StoreConfig(int(l3_gb * 1e9)), link, l3_ranking=ranking)
 
 
-def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail: bool, ranking: str = "eq7") -> dict:
-    """One cluster replay (and, with a failure, the paired run without it), cached as JSON."""
-    path = args.out / "cells" / f"{name}.json"
+REFERENCE_POLICY = "sglang-hicache"
+
+
+def fail_time(args, num_servers: int) -> float:
+    """When server 0 fails, the same for every policy, ranking and L3 size of a `num_servers` fleet:
+    the median arrival of the requests server 0 serves in one reference run (REFERENCE_POLICY, no L3,
+    no failure), cached as JSON.
+
+    Why one reference run: sessions are closed-loop (a turn arrives when the previous one finished plus
+    its gap), so each policy's own median (what this took before) lands the kill at a different
+    moment, and the request it catches in flight counts a different time spent on the dead server
+    (seed 0, Weka, 100 GB: 3.3 s for histate vs 2.0 s for stock). The workload's nominal times are
+    not a usable clock instead: with `--live-per-server` admission a session starts when a slot frees,
+    far from its trace time. Why this run: stock HiCache is the comparison's baseline, and without L3
+    nothing the compared L3 rules do can move it; the routing (sticky, by root id) is the same for
+    every policy, so server 0 serves the same sessions in every run."""
+    path = args.out / "cells" / f"failtime-n{num_servers}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        return json.loads(path.read_text())["fail_at_s"]
+    from histate.sim.cluster import replay_cluster
+
+    workload, config = workload_and_config(args, num_servers)
+    ref = replay_cluster(workload, REFERENCE_POLICY, config, cluster_config(args, num_servers, 0.0, False))
+    # mid-run for server 0 (half the whole run's span can fall after server 0's sessions ended, on
+    # heavy-tailed traces)
+    arrivals = sorted(r.arrival_s for r in ref.records if ref.server_of_uid[r.uid] == 0)
+    t = arrivals[len(arrivals) // 2]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"fail_at_s": t, "reference": REFERENCE_POLICY, "servers": num_servers,
+                                "server0_requests": len(arrivals)}, indent=1))
+    return t
+
+
+def moved_detail(run, baseline, t_fail: float) -> list:
+    """Per moved session's first request after the failure: what it restored and how (the trace the
+    docs' failover paragraphs quote)."""
+    by_uid = {r.uid: r for r in run.records}
+    base = {r.uid: r for r in baseline.records}
+    out = []
+    for uid in run.first_after_move_uids:
+        r = by_uid.get(uid)
+        if r is None:
+            continue
+        before = [q.completion_s for q in run.records if q.session_id == r.session_id and q.uid != uid
+                  and not math.isnan(q.completion_s) and q.completion_s <= t_fail]
+        b = base.get(uid)
+        out.append({"uid": uid, "session": r.session_id, "arrival_s": r.arrival_s, "ttft_s": r.ttft_s,
+                    "in_flight": uid in run.retried_uids, "input_tokens": r.input_tokens,
+                    "resumed_at_tokens": r.reused_tokens, "l3_tokens": run.l3_hit_tokens_by_uid.get(uid, 0),
+                    "idle_before_failure_s": t_fail - max(before) if before else None,
+                    "ttft_without_failure_s": b.ttft_s if b else None,
+                    "resumed_without_failure_tokens": b.reused_tokens if b else None})
+    return out
+
+
+def from_failure(detail: list, t_fail: float) -> dict:
+    """The moved sessions' first TTFT counted from max(arrival, failure): the same failure moment still
+    catches different requests in flight per policy (closed-loop: a faster policy's next turn arrives
+    earlier), and a request in flight counts the time it spent on the dead server before the kill;
+    this counts only what the failover costs (first token - failure for those in flight)."""
+    xs = [m["ttft_s"] - max(0.0, t_fail - m["arrival_s"]) for m in detail if not math.isnan(m["ttft_s"])]
+    return {"count": len(xs), "mean_s": sum(xs) / len(xs) if xs else math.nan}
+
+
+def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail: bool, ranking: str = "eq7") -> dict:
+    """One cluster replay (and, with a failure, the paired run without it), cached as JSON. Sweeps (b)
+    and (c) share their failure cells (the same policy, fleet and L3 size are one computation)."""
+    key = ("fail-" + name.split("-", 1)[1]) if fail else name
+    path = args.out / "cells" / f"{key}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "cell": name}
     from histate.sim.cluster import replay_cluster
     from histate.sim.cluster_metrics import summarize_cluster
 
@@ -89,12 +156,12 @@ def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail:
     cluster = cluster_config(args, num_servers, l3_gb, fail, ranking)
     baseline = replay_cluster(workload, policy, config, cluster)
     if fail:
-        # mid-run for server 0: the median arrival of the requests it served without the failure (half
-        # the whole run's span can fall after server 0's sessions ended, on heavy-tailed traces)
-        arrivals = sorted(r.arrival_s for r in baseline.records if baseline.server_of_uid[r.uid] == 0)
-        run = replay_cluster(workload, policy, config,
-                             replace(cluster, fail_server=(0, arrivals[len(arrivals) // 2])))
+        t_fail = fail_time(args, num_servers)
+        run = replay_cluster(workload, policy, config, replace(cluster, fail_server=(0, t_fail)))
         summary = summarize_cluster(run, baseline)
+        summary["fail_at_s"] = t_fail
+        summary["moved_detail"] = moved_detail(run, baseline, t_fail)
+        summary["moved_first_ttft_from_failure"] = from_failure(summary["moved_detail"], t_fail)
         # the moved sessions' first requests that arrived after the failure: a request the failure
         # caught in flight also counts the time it had spent on the dead server, which depends on
         # where in its prefill the kill landed, not on what L3 restores
@@ -108,6 +175,7 @@ def run_cell(args, name: str, policy: str, num_servers: int, l3_gb: float, fail:
         run = baseline
     if run.l3_stats is not None:
         summary["l3_deleted_objects"] = run.l3_stats.deleted_objects
+        summary["l3_stats"] = {k: getattr(run.l3_stats, k) for k in run.l3_stats.__dataclass_fields__}
     summary.update(cell=name, servers=num_servers, l3_gb=l3_gb, fail=fail)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=1, default=str))
@@ -155,7 +223,9 @@ def markdown(results: list, args) -> str:
         if r["cell"].startswith("a-"):
             lines.append(f"| {r['policy']} | {r['servers']} | {r['l3_gb']:g} | {pct(r['token_hit_rate'])} | "
                          f"{r['l3_hit_tokens'] / 1e6:.2f} | {sec(r['ttft_p95_s'])} | {sec(r['ttft_p99_s'])} |")
-    lines += ["", f"## (b) server 0 fails at mid-run, {args.fail_servers} servers (simulated)", "",
+    t_fail = next((r.get("fail_at_s") for r in results if r.get("fail_at_s") is not None), None)
+    at = f" (t = {t_fail:.1f} s for every policy and L3 size: fail_time)" if t_fail is not None else ""
+    lines += ["", f"## (b) server 0 fails at mid-run{at}, {args.fail_servers} servers (simulated)", "",
               "| policy | L3 GB | moved sessions | their first TTFT after the move (mean / p95) | of those arriving after the failure (n: mean) | same requests without failure |",
               "|---|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -166,15 +236,16 @@ def markdown(results: list, args) -> str:
                          f"{sec(m.get('p95_s'))} | {f.get('count', '-')}: {sec(f.get('mean_s'))} | "
                          f"{sec(b.get('mean_s'))} / {sec(b.get('p95_s'))} |")
     lines += ["", f"## (c) L3 capacity, {args.fail_servers} servers with the failure (simulated)", "",
-              "| policy | L3 GB | cluster hit rate | p95 TTFT | L3 hit Mtok | L3 peak GB | objects the master evicted / the servers deleted | moved first TTFT mean | arriving after the failure |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| policy | L3 GB | cluster hit rate | p95 TTFT | L3 hit Mtok | L3 peak GB | objects the master evicted / the servers deleted | moved first TTFT mean | arriving after the failure | counted from max(arrival, failure) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if r["cell"].startswith("c-"):
             lines.append(f"| {r['policy']} | {r['l3_gb']:g} | {pct(r['token_hit_rate'])} | {sec(r['ttft_p95_s'])} | "
                          f"{r['l3_hit_tokens'] / 1e6:.2f} | {r.get('l3_peak_used_bytes', 0) / 1e9:.1f} | "
                          f"{r.get('l3_evicted_objects', 0):,} / {r.get('l3_deleted_objects', 0):,} | "
                          f"{sec(r.get('moved_first_ttft', {}).get('mean_s'))} | "
-                         f"{sec(r.get('moved_first_ttft_arrived_after', {}).get('mean_s'))} |")
+                         f"{sec(r.get('moved_first_ttft_arrived_after', {}).get('mean_s'))} | "
+                         f"{sec(from_failure(r['moved_detail'], r['fail_at_s'])['mean_s'] if 'moved_detail' in r else None)} |")
     return "\n".join(lines) + "\n"
 
 

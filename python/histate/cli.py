@@ -743,20 +743,9 @@ def serve_command(args) -> int:
     return 0
 
 
-def cluster_workload(args):
-    """The agent workload `histate cluster` sends: short contexts so a CPU worker serves a turn in well
-    under a second, and no idle gaps (what moves a session here is the kill, not time)."""
-    from .sim.workloads import AgentWorkloadConfig, agent_workload
-
-    return agent_workload(AgentWorkloadConfig(
-        num_sessions=args.sessions, num_turns=args.turns, system_prompt_num_tokens=256,
-        first_input_num_tokens=(256, 512), append_num_tokens=(64, 192), output_num_tokens=(2, 4),
-        tool_gap_s=(0.0, 0.05), human_gap_probability=0.0, session_start_spread_s=0.1, truncation_rate=0.0,
-        rewind_edit_rate=0.0, fork_rate=0.0, compaction_rate=0.0, seed=args.seed), name="synthetic:cluster")
-
-
 def cluster_command(args) -> int:
     from .cluster.run import ClusterOptions, cold_output_digests, format_report, run_cluster, summarize, write_report
+    from .cluster.workload import cluster_workload
     from .l3.services import unavailable_reason
 
     if args.router_policy == "cache_aware":
@@ -784,7 +773,7 @@ def cluster_command(args) -> int:
         return 2
     if args.faults:
         return _cluster_faults(args)
-    workload = cluster_workload(args)
+    workload = cluster_workload(args.sessions, args.turns, args.seed)
     runs = run_cluster(workload, options, args.out / "logs")
     summary = summarize(runs, cold_output_digests(workload, args.seed))
     write_report(summary, runs, args.out)

@@ -34,16 +34,14 @@ CLUSTER_L3_BYTES = 64 * 2**20
 def cluster_report(tmp_path_factory):
     """One `histate cluster` run (its four runs, every answer checked against a cold recompute), shared
     by the failover tests and the simulator's twin: (workload, output directory, summary)."""
-    import argparse
-
-    from histate.cli import cluster_workload
+    from histate.cluster.workload import cluster_workload
     from histate.cluster.run import ClusterOptions, cold_output_digests, run_cluster, summarize, write_report
     from histate.l3.services import unavailable_reason
 
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"Mooncake is unavailable: {reason}")
-    workload = cluster_workload(argparse.Namespace(**CLUSTER_ARGS))
+    workload = cluster_workload(CLUSTER_ARGS["sessions"], CLUSTER_ARGS["turns"], CLUSTER_ARGS["seed"])
     options = ClusterOptions(num_workers=2, max_live_sessions=CLUSTER_LIVE_SESSIONS, seed=CLUSTER_ARGS["seed"],
                              kill_after_fraction=0.5, l3_segment_bytes=CLUSTER_L3_BYTES, progress=False)
     out = tmp_path_factory.mktemp("cluster")

@@ -1,10 +1,10 @@
 """Router policies `histate cluster` accepts; cache_aware is refused with its reason (cluster/policies.py)."""
-import argparse
 from pathlib import Path
 
 import pytest
 
-from histate.cli import cluster_workload, main
+from histate.cli import main
+from histate.cluster.workload import cluster_workload
 
 
 def test_cache_aware_is_refused_with_a_one_line_reason(capsys):
@@ -26,7 +26,7 @@ def test_the_chosen_policy_reaches_the_router(monkeypatch, tmp_path):
 
     monkeypatch.setattr(WorkerPool, "start", lambda self: [])
     monkeypatch.setattr(Router, "start", record_and_stop)
-    workload = cluster_workload(argparse.Namespace(sessions=1, turns=2, seed=0))
+    workload = cluster_workload(1, 2, 0)
     with pytest.raises(RuntimeError, match="stop before"):
         run._one_run("no-l3+kill", workload, run.ClusterOptions(router_policy="round_robin"), Path(tmp_path))
     argv = seen[0]

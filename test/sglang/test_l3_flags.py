@@ -117,3 +117,53 @@ def test_the_storage_section_checks_l3():
         parse_storage_section({"l3": "yes"}, option="X")
     with pytest.raises(HiStateConfigError, match="--histate-l3 needs --histate-ssd-dir"):
         resolve_config({"enable": True, "l3": "mooncake"}, {})
+
+
+def _l3_argv(tmp_path, *more) -> list:
+    return ["--enable-histate", "--histate-ssd-dir", str(tmp_path), "--histate-l3", "mooncake", *more]
+
+
+def test_l3_budget_servers_and_digests_reach_the_storage_section(sglang_plugins, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:50051")
+    sa = _prepare(_l3_argv(tmp_path, "--histate-l3-budget-gb", "1.5", "--histate-l3-servers", "4",
+                           "--histate-l3-require-digests"))
+    section = _extra(sa)["histate"]
+    assert (section["l3_budget_bytes"], section["l3_servers"], section["l3_require_digests"]) == (1_500_000_000, 4, True)
+    default = _extra(_prepare(_l3_argv(tmp_path)))["histate"]  # no deletes, stock objects used unverified
+    assert not {"l3_budget_bytes", "l3_servers", "l3_require_digests"} & set(default)
+
+
+@pytest.mark.parametrize("more, message", [
+    (["--histate-l3-budget-gb", "0", "--histate-l3-servers", "2"],
+     "--histate-l3-budget-gb: must be a finite number of GB > 0 (leave it out for no deletes), got '0'"),
+    (["--histate-l3-budget-gb", "lots", "--histate-l3-servers", "2"],
+     "--histate-l3-budget-gb: expected a number of GB, got 'lots'"),
+    (["--histate-l3-budget-gb", "10", "--histate-l3-servers", "0"],
+     "--histate-l3-servers: must be >= 1 (the number of servers sharing the L3 store), got 0"),
+    (["--histate-l3-budget-gb", "10"],
+     "--histate-l3-budget-gb needs --histate-l3-servers (a server's share is the fleet budget / the number of "
+     "servers)"),
+    (["--histate-l3-servers", "3"],
+     "--histate-l3-servers needs --histate-l3-budget-gb (a server's share is the fleet budget / the number of "
+     "servers)"),
+])
+def test_bad_l3_budget_flags_are_one_line(sglang_plugins, capsys, tmp_path, monkeypatch, more, message):
+    monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:50051")
+    assert _cli_error(capsys, _l3_argv(tmp_path, *more)) == f"sglang serve: error: {message}"
+
+
+def test_l3_budget_and_digest_flags_need_l3(sglang_plugins, capsys, tmp_path):
+    for flag in (["--histate-l3-budget-gb", "10", "--histate-l3-servers", "2"], ["--histate-l3-require-digests"]):
+        line = _cli_error(capsys, ["--enable-histate", "--histate-ssd-dir", str(tmp_path), *flag])
+        assert line == f"sglang serve: error: {flag[0]} needs --histate-l3 mooncake"
+
+
+def test_the_storage_section_checks_the_l3_budget():
+    from histate.sglang_plugin.config import parse_storage_section
+
+    assert parse_storage_section({"l3_budget_bytes": 10, "l3_servers": 2, "l3_require_digests": False},
+                                 option="X") == {"l3_budget_bytes": 10, "l3_servers": 2, "l3_require_digests": False}
+    with pytest.raises(HiStateConfigError, match="l3_servers must be an integer >= 1"):
+        parse_storage_section({"l3_servers": 0}, option="X")
+    with pytest.raises(HiStateConfigError, match="l3_require_digests must be true or false"):
+        parse_storage_section({"l3_require_digests": "yes"}, option="X")

@@ -30,13 +30,13 @@ CACHE_AWARE_REFUSAL = ("sglang-router cache_aware matches request text, and /gen
 
 def measure(policy: str, sessions: int = 6, turns: int = 3, seed: int = 0) -> dict:
     from histate.bench.run import BenchOptions, run_bench
-    from histate.cli import cluster_workload
+    from .workload import cluster_workload
     from histate.cluster.router import Router
     from histate.cluster.run import root_ids
     from histate.cluster.workers import WorkerPool
     from histate.sim.replay import ReplayConfig
 
-    workload = cluster_workload(argparse.Namespace(sessions=sessions, turns=turns, seed=seed))
+    workload = cluster_workload(sessions, turns, seed)
     roots = root_ids(workload)
     base = Path(tempfile.mkdtemp(prefix=f"histate-policy-{policy}-"))
     with WorkerPool(2, base_dir=base) as pool, Router(pool.urls, policy=policy, log_dir=base) as router:

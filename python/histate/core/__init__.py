@@ -5,6 +5,7 @@ Executors (histate.sim, histate.reference, histate.sglang_plugin, the CLI) impor
 """
 from .cache import HybridPrefixCache, InsertResult, RequestLease, make_cache
 from .capture import PassCaptures, captured_positions, floor_cut, split_pass
+from .l3_ledger import L3Deletes, L3Ledger, L3LedgerConfig, fleet_share_bytes
 from .l3_policy import DEFAULT_PIN_TTL_S, L3Put, L3WriteConfig, plan_l3_writes, restorable_pages
 from .config import (DECODE_TRACK_INTERVAL_TOKENS, DEFAULT_CHUNK_PAGES, DEFAULT_EMA_ALPHA, DEFAULT_FIXED_INTERVAL_PAGES, DEFAULT_INTERVALS_PAGES,
                      DEFAULT_INTERVALS_TOKENS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR,
@@ -23,6 +24,7 @@ from .units import checkpoint_at_or_above, checkpoint_neighbours, checkpoints_ab
 from .victims import DeferredReoffers, VictimHeap, reoffer
 
 __all__ = [
+    "L3Deletes", "L3Ledger", "L3LedgerConfig", "fleet_share_bytes",
     "DEFAULT_PIN_TTL_S", "L3Put", "L3WriteConfig", "plan_l3_writes", "restorable_pages",
     "ALL_TIERS", "AdmissionContext", "CPU_BIT", "CacheConfig", "CacheObserver", "CacheStats", "ConfigError", "DECODE_TRACK_INTERVAL_TOKENS",
     "DEFAULT_CHUNK_PAGES", "DEFAULT_MAX_YIELDS",

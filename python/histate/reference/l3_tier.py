@@ -27,8 +27,7 @@ from typing import Optional
 import torch
 from histate_kernels import CheckpointLayout
 
-from histate.core import L3Put, L3WriteConfig, plan_l3_writes, restorable_pages
-from histate.core.l3_ledger import L3Deletes, L3Ledger
+from histate.core import L3Deletes, L3Ledger, L3Put, L3WriteConfig, plan_l3_writes, restorable_pages
 from histate.l3.client import L3Client, PutHints
 from histate.reference.hybrid_cache import Checkpoint
 from histate.reference.model import StateGeometry

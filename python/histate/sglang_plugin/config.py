@@ -142,9 +142,28 @@ def _section_l3(value: Any, *, option: str) -> str:
     return value
 
 
+def _section_positive_int(name: str) -> Callable[..., int]:
+    def parse(value: Any, *, option: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HiStateConfigError(f"{option}: {name} must be an integer >= 1, got {value!r}")
+        return value
+
+    return parse
+
+
+def _section_flag(name: str) -> Callable[..., bool]:
+    def parse(value: Any, *, option: str) -> bool:
+        if not isinstance(value, bool):
+            raise HiStateConfigError(f"{option}: {name} must be true or false, got {value!r}")
+        return value
+
+    return parse
+
+
 _SECTION_FIELDS: dict[str, Callable[..., Any]] = {
     "ssd_dirs": _section_dirs, "ssd_size_bytes": _section_size, "io_backend": _section_backend,
-    "l3": _section_l3,
+    "l3": _section_l3, "l3_budget_bytes": _section_positive_int("l3_budget_bytes"),
+    "l3_servers": _section_positive_int("l3_servers"), "l3_require_digests": _section_flag("l3_require_digests"),
 }
 
 
@@ -199,6 +218,26 @@ def _parse_positive_count(text: Any, *, option: str) -> int:
     if value < 1:
         raise HiStateConfigError(f"{option}: must be >= 1 (0 would never let a short prefill go first; "
                                  f"leave --histate-short-prefill-first off instead), got {value}")
+    return value
+
+
+def parse_l3_budget_bytes(text: Any, *, option: str) -> int:
+    """--histate-l3-budget-gb: the fleet's L3 budget in GB (10^9 bytes, as --hicache-size), > 0."""
+    try:
+        value_gb = float(text)
+    except (TypeError, ValueError):
+        raise HiStateConfigError(f"{option}: expected a number of GB, got {text!r}") from None
+    budget_bytes = int(value_gb * 10**9) if math.isfinite(value_gb) else 0
+    if budget_bytes < 1:
+        raise HiStateConfigError(f"{option}: must be a finite number of GB > 0 (leave it out for no deletes), "
+                                 f"got {text!r}")
+    return budget_bytes
+
+
+def _parse_l3_servers(text: Any, *, option: str) -> int:
+    value = _parse_count(text, option=option)
+    if value < 1:
+        raise HiStateConfigError(f"{option}: must be >= 1 (the number of servers sharing the L3 store), got {value}")
     return value
 
 
@@ -281,6 +320,18 @@ OPTIONS: tuple[Option, ...] = (
                 "--hicache-storage-backend-extra-config keys (master_server_address, ...), "
                 "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH, or MOONCAKE_MASTER / MOONCAKE_CLIENT. Needs "
                 "--histate-ssd-dir. 'off' (default): no L3."),
+    Option("l3_budget_bytes", "--histate-l3-budget-gb", "HISTATE_L3_BUDGET_GB", parse_l3_budget_bytes, metavar="GB",
+           help="The fleet's L3 budget in GB (e.g. 0.85 x the store's total segment size, below the master's "
+                "eviction high watermark). With --histate-l3-servers N each server keeps the L3 bundles it "
+                "wrote or read within GB / N, deleting its lowest-ranked ones (eq. 7, core/l3_ledger.py) so "
+                "the master's per-object LRU rarely fires. Default: no deletes (the master's LRU alone): the "
+                "share needs the fleet's size, which one server cannot know."),
+    Option("l3_servers", "--histate-l3-servers", "HISTATE_L3_SERVERS", _parse_l3_servers, metavar="N",
+           help="Number of servers sharing the L3 store (with --histate-l3-budget-gb)."),
+    Option("l3_require_digests", "--histate-l3-require-digests", "HISTATE_L3_REQUIRE_DIGESTS", _parse_bool,
+           is_switch=True,
+           help="A HiState-only fleet: an L3 object without HiState's digest (histate/l3/digests.py) is a "
+                "miss. Default off: objects a stock SGLang server wrote (no digest) are used unverified."),
     Option("chunk_align", "--histate-chunk-align", "HISTATE_CHUNK_ALIGN", _choice(CHUNK_ALIGN_CHOICES),
            choices=CHUNK_ALIGN_CHOICES,
            help="Chunked-prefill cuts: 'grid' (default) floors each cut to the 64-token state grid, so "
@@ -322,6 +373,11 @@ class HiStateConfig:
     ssd_backend: str = "auto"
     chunk_align: str = "grid"
     l3: str = "off"
+    l3_budget_bytes: int = 0
+    """The fleet's L3 budget (0: no deletes, the master's LRU alone)."""
+    l3_servers: int = 0
+    """Servers sharing the L3 store (0: not given)."""
+    l3_require_digests: bool = False
     restore_costs: tuple[float, float] = (DEFAULT_RESTORE_COST_TOKENS[Tier.CPU], DEFAULT_RESTORE_COST_TOKENS[Tier.SSD])
     short_prefill_first: bool = False
     short_prefill_max_yields: int = DEFAULT_MAX_YIELDS
@@ -389,6 +445,15 @@ def resolve_config(
     if config.l3 != "off" and not config.ssd_dirs:
         raise HiStateConfigError("--histate-l3 needs --histate-ssd-dir: the L3 tier sits under HiState's SSD "
                                  "backend (no SSD directory given)")
+    for name in ("l3_budget_bytes", "l3_servers", "l3_require_digests"):
+        if sources[name] != "default" and config.l3 == "off":
+            opt = OPTIONS_BY_FIELD[name]
+            raise HiStateConfigError(f"{opt.flag if sources[name] == 'cli' else opt.env} needs --histate-l3 mooncake")
+    if bool(config.l3_budget_bytes) != bool(config.l3_servers):
+        given, missing = (("l3_budget_bytes", "l3_servers") if config.l3_budget_bytes
+                          else ("l3_servers", "l3_budget_bytes"))
+        raise HiStateConfigError(f"{OPTIONS_BY_FIELD[given].flag} needs {OPTIONS_BY_FIELD[missing].flag} "
+                                 f"(a server's share is the fleet budget / the number of servers)")
     return config
 
 

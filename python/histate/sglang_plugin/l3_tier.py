@@ -37,6 +37,18 @@ What this module adds to stock, and only that:
     the service: only time ends the down state). A missing object (-704, the master evicted it) or a
     wrong size does not mark L3 down.
 
+Deletes (`remove_bundles`): with a fleet budget (`--histate-l3-budget-gb`, `--histate-l3-servers`) the
+SSD tier ranks the bundles this server wrote or read by eq. 7 (`histate.core.l3_ledger`, fed agreed
+events only, so every TP rank picks the same victims) and hands the victims here; each rank removes its
+own rank's objects of them (KV `_k`/`_v`, state `_temporal`/`_conv_i`, and their digest objects) with
+`MooncakeDistributedStore.batch_remove` (mooncake.store, `batch_remove(keys, force=False) -> list[int]`;
+`MooncakeStore` itself exposes no remove besides `clear` -> `remove_all`, mooncake_store.py:1628). The
+remove is an RPC to the master that blocks for its timeout when the master is gone, so it runs on a
+daemon thread with at most `MAX_PENDING_REMOVE_BATCHES` batches waiting; more are dropped (counted,
+left to the master's LRU) and the scheduler never waits. The removed keys are forgotten from
+`written` at once and again after the remove (a backup batch may have re-put one meanwhile): the next
+write re-puts them.
+
 Placement hints: the installed Mooncake `ReplicateConfig` has `soft_pin_ttl_ms`, `soft_pin_action`,
 `replica_num` and `group_ids`, but `MooncakeStore` builds its own `ReplicateConfig` inside
 `_put_batch_zero_copy_impl` and sets only `group_ids` (with `enable_group_semantics`) and
@@ -48,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -69,6 +82,14 @@ TRANSFER_LEVEL_ERROR = -800
 OBJECT_NOT_FOUND, -600 a buffer of the wrong size)."""
 
 
+MAX_PENDING_REMOVE_BATCHES = 8
+"""Remove batches that may wait for the remover thread (module doc); later ones are dropped."""
+CLOSE_WAIT_S = 1.0
+"""How long `close` waits for queued removes (a dead master would hold each for its RPC timeout)."""
+OBJECT_NOT_FOUND = -704
+"""Mooncake's code for a key the master does not hold: a remove of it leaves what was wanted."""
+
+
 @dataclass
 class L3Stats:
     hits: int = 0
@@ -79,6 +100,9 @@ class L3Stats:
     errors: int = 0
     digest_mismatches: int = 0   # objects read whose HiState digest differs: misses (histate/l3/digests.py)
     unverified: int = 0          # objects read without a digest (stock-written): used unless require_digests
+    objects_removed: int = 0     # this rank's objects of the eq. 7 victims removed (digests included)
+    remove_failures: int = 0     # removes the master refused (a reader's lease...): left to its LRU
+    remove_batches_dropped: int = 0  # victims not removed: the remover was behind or L3 down (module doc)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **amounts: int) -> None:
@@ -90,7 +114,8 @@ class L3Stats:
         with self.lock:
             return {f"l3_{k}": getattr(self, k) for k in
                     ("hits", "misses", "read_bytes", "written_bytes", "write_failures", "errors",
-                     "digest_mismatches", "unverified")}
+                     "digest_mismatches", "unverified", "objects_removed", "remove_failures",
+                     "remove_batches_dropped")}
 
 
 def open_mooncake_store(storage_config: Any, mem_pool_host: Any = None) -> Any:
@@ -105,7 +130,8 @@ class L3Tier:
     """Reads, presence and writes of KV pages and pool states in the shared store (module doc)."""
 
     def __init__(self, storage_config: Any, mem_pool_host: Any = None, *, store: Any = None,
-                 on_io: Optional[Callable[..., None]] = None, require_digests: bool = False) -> None:
+                 on_io: Optional[Callable[..., None]] = None, require_digests: bool = False,
+                 fleet_budget_bytes: int = 0, num_servers: int = 0) -> None:
         self.store = store if store is not None else open_mooncake_store(storage_config, mem_pool_host)
         self.stats = L3Stats()
         self.on_io = on_io  # metrics hook: on_io(read_bytes=..., written_bytes=..., hits=..., misses=...)
@@ -115,6 +141,12 @@ class L3Tier:
         self._down_until = 0.0
         self.down_events = 0
         self.require_digests = require_digests  # a HiState-only fleet: an object without a digest is a miss
+        # The fleet's L3 budget and its number of servers (--histate-l3-budget-gb, --histate-l3-servers):
+        # the SSD tier's ledger keeps this server within budget / servers; 0: no deletes.
+        self.fleet_budget_bytes = fleet_budget_bytes
+        self.num_servers = num_servers
+        self._removes: queue.Queue = queue.Queue(maxsize=MAX_PENDING_REMOVE_BATCHES)
+        self._remover: Optional[threading.Thread] = None
 
     @property
     def available(self) -> bool:
@@ -363,7 +395,81 @@ class L3Tier:
         self.stats.add(write_failures=len(keys) - len(ok))
         self._count(written_bytes=len(ok) * page_bytes)
 
+    # --- deletes: the eq. 7 victims of this server's ledger (module doc) ---------------------------
+
+    def object_names(self, kv_keys: List[str], state_keys: List[str]) -> List[str]:
+        """This rank's object keys of KV pages `kv_keys` and of the states keyed by `state_keys` (every
+        registered pool), as MooncakeStore names them, each followed by its digest object's key."""
+        from sglang.srt.mem_cache.hicache_storage import PoolTransfer
+
+        objects = list(self._kv_objects(list(kv_keys), None)[0]) if kv_keys else []
+        if state_keys:
+            for name in getattr(self.store, "registered_pools", {}):
+                objects += self._pool_objects(PoolTransfer(name=name, keys=list(state_keys)), False)[0]
+        return [name for obj in objects for name in (obj, digests.digest_key(obj))]
+
+    def remove_bundles(self, kv_keys: List[str], state_keys: List[str]) -> bool:
+        """Remove this rank's objects of these KV pages and states, off the caller's thread (module
+        doc). Returns False when the batch was dropped (L3 down or the remover behind: counted)."""
+        kv_keys, state_keys = list(kv_keys), list(state_keys)
+        if not kv_keys and not state_keys:
+            return True
+        self._forget(kv_keys, state_keys)
+        if not self.available:
+            self.stats.add(remove_batches_dropped=1)
+            return False
+        try:
+            objects = self.object_names(kv_keys, state_keys)
+        except Exception:
+            self._fault("remove setup")
+            return False
+        if self._remover is None:
+            self._remover = threading.Thread(target=self._remove_loop, name="histate-l3-remove", daemon=True)
+            self._remover.start()
+        try:
+            self._removes.put_nowait((objects, kv_keys, state_keys))
+        except queue.Full:
+            self.stats.add(remove_batches_dropped=1)
+            return False
+        return True
+
+    def _remove_loop(self) -> None:
+        while True:
+            batch = self._removes.get()
+            try:
+                if batch is None:
+                    return
+                self._remove_now(*batch)
+            finally:
+                self._removes.task_done()
+
+    def _remove_now(self, objects: List[str], kv_keys: List[str], state_keys: List[str]) -> None:
+        try:
+            codes = list(self.store.store.batch_remove(objects, False))
+        except Exception:
+            self._fault("remove")
+            codes = [None] * len(objects)
+        removed = sum(1 for c in codes if c == 0)
+        self.stats.add(objects_removed=removed,
+                       remove_failures=sum(1 for c in codes if c not in (0, OBJECT_NOT_FOUND)))
+        self._forget(kv_keys, state_keys)  # a backup batch may have put one since `remove_bundles`
+
+    def wait_removes(self, timeout_s: float) -> bool:
+        """Whether every queued remove finished within `timeout_s` (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._removes.unfinished_tasks:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def close(self) -> None:
+        if self._remover is not None:
+            try:
+                self._removes.put_nowait(None)  # the daemon thread ends after what is queued
+            except queue.Full:
+                pass
+            self.wait_removes(CLOSE_WAIT_S)
         try:
             self.store.close()
         except Exception:

@@ -254,6 +254,10 @@ def storage_extra_config(raw: Any, config: HiStateConfig) -> dict:
     extra[EXTRA_CONFIG_KEY] = section
     if config.l3 != "off":
         section["l3"] = config.l3
+        if config.l3_budget_bytes:  # resolve_config gives both or neither
+            section.update(l3_budget_bytes=config.l3_budget_bytes, l3_servers=config.l3_servers)
+        if config.l3_require_digests:
+            section["l3_require_digests"] = True
         check_l3(extra, config)
         # KV pages move with host indices (batch_get_v1 / batch_set_v1): Mooncake reads and writes the
         # registered host pool zero-copy (cache_controller.py: `interface_v1` picks _page_get_zero_copy).

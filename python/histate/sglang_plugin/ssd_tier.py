@@ -17,6 +17,11 @@ node's state is the deepest checkpoint on its path (`holds_deepest_checkpoint`: 
 one, in any tier) and, if so, the backend's `l3_admits_state` admits that state's page hash until the
 backup is acknowledged (a frozenset the scheduler thread swaps; the backup thread never reads the
 tree). Intermediate checkpoints go to the SSD only. The inputs are agreed, so every rank writes alike.
+With a fleet L3 budget (`--histate-l3-budget-gb`, `--histate-l3-servers`) the tier also keeps this
+server's ledger of its L3 bundles (`histate.core.l3_ledger`, eq. 7) from agreed events only, at the
+agreed clock: a confirmed backup that carried a terminal state records its path, an L3 prefetch that
+L3 served records (or refreshes) the path it read. The ledger's victims go to the L3 tier's
+`remove_bundles`, which removes each rank's own objects off this thread.
 
 SSD bits (`CoreNode.ssd_kv` / `ssd_state`) are set when a storage backup is confirmed (`confirm_backups`:
 after SGLang drained its acknowledgement, whose count SGLang MIN-all-reduces, unified_radix_cache.py:
@@ -65,7 +70,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from histate.core import SSD_BIT, Tier, UnitKind
+from histate.core import SSD_BIT, L3Ledger, L3LedgerConfig, Tier, UnitKind, fleet_share_bytes
 
 from .core_nodes import FULL, MAMBA, CoreNode, core_of
 from .eviction import is_bundle
@@ -98,6 +103,7 @@ class _Backup:
     with_state: bool
     with_kv: bool  # a demotion (`demote`): the KV pages go to SSD too; else only the state does
     l3_state: Optional[str] = None  # page hash of the state L3 admits (the terminal bundle's), if any
+    l3_path: tuple = ()  # with l3_state: the page hashes root .. the node (the bundle's KV), for the ledger
 
 
 @dataclass
@@ -135,6 +141,16 @@ def holds_deepest_checkpoint(node: CoreNode) -> bool:
     return True
 
 
+def path_page_hashes(sg: Any) -> tuple:
+    """Page hashes of `sg`'s path, root to its end: the KV pages of the bundle its state ends. SGLang
+    keys a page by a hash chained over its prefix, the ledger's prefix-chained keys."""
+    parts = []
+    while sg is not None and sg.parent is not None:
+        parts.append(tuple(sg.hash_value or ()))
+        sg = sg.parent
+    return tuple(h for part in reversed(parts) for h in part)
+
+
 class SsdTier:
     def __init__(self, cache: Any, backend: Any):
         self.cache = cache
@@ -160,6 +176,7 @@ class SsdTier:
         # thread counts them in `_l3_marks` and publishes the keys as a frozenset the backup thread reads.
         self._l3_marks: dict = {}
         self.l3_terminal: frozenset = frozenset()
+        self.l3_ledger = self._l3_ledger()
         self.capacity_bytes = self._agreed_capacity_bytes()
         self.unconfirmed_deleted = 0  # objects some rank's write did not store, deleted where one was
         self._adopt_restart_objects()
@@ -281,12 +298,39 @@ class SsdTier:
             del self._l3_marks[page_hash]
         self.l3_terminal = frozenset(self._l3_marks)
 
+    def _l3_ledger(self) -> Optional[L3Ledger]:
+        """This server's eq. 7 ledger of its L3 bundles, when the L3 tier has a fleet budget
+        (`--histate-l3-budget-gb`, `--histate-l3-servers`); None: no deletes, the master's LRU alone.
+        Sizes are the agreed per-rank ones times the ranks writing this server's objects, the unit the
+        fleet budget is in (every rank's share of a page, core/l3_ledger.py `kv_page_bytes`)."""
+        l3 = getattr(self.backend, "l3", None)
+        fleet_bytes, servers = getattr(l3, "fleet_budget_bytes", 0), getattr(l3, "num_servers", 0)
+        if l3 is None or not fleet_bytes or not servers:
+            return None
+        ranks = getattr(self.backend, "num_ranks", 1)
+        page_tokens = self.cache.page_size
+        return L3Ledger(L3LedgerConfig(
+            budget_bytes=fleet_share_bytes(fleet_bytes, servers), page_num_tokens=page_tokens,
+            kv_page_bytes=max(1, self.kv_bytes_per_token * page_tokens * ranks),
+            state_bytes=self.checkpoint_bytes * ranks, tau_s=self.runtime.core_config.tau_s))
+
+    def _l3_record(self, path: tuple) -> None:
+        """An agreed L3 event (a terminal bundle's backup confirmed, an L3 read): record the bundle at
+        the agreed clock and remove the ledger's victims (every rank picks the same ones)."""
+        if self.l3_ledger is None or not path:
+            return
+        self.l3_ledger.record(path, self.runtime.now())
+        deletes = self.l3_ledger.plan_deletes(protect=path[-1])
+        if deletes:
+            self.backend.l3.remove_bundles(list(deletes.kv_keys), list(deletes.state_keys))
+
     def on_backup_started(self, operation_id: Any, sg: Any, l3_state: Optional[str] = None) -> None:
         """SGLang queued `sg`'s pages (and its host state, if any) for the SSD (`write_backup_storage`);
         `l3_state`: the page hash `mark_l3_state` marked for this backup, unmarked on its ack."""
         hashes = tuple(sg.hash_value or ())
         self.backups[operation_id] = _Backup(core_of(sg), hashes, sg.component_data[MAMBA].host_value is not None,
-                                             bool(hashes) and set(hashes) <= self.admitted, l3_state)
+                                             bool(hashes) and set(hashes) <= self.admitted, l3_state,
+                                             path_page_hashes(sg) if l3_state is not None else ())
 
     def confirm_backups(self, operation_ids: list, agreed: bool = True) -> None:
         """SGLang drained these storage backups' acknowledgements (the same operations, in the same
@@ -314,6 +358,11 @@ class SsdTier:
             n = len(self._object_keys(backup))
             self._on_backup_confirmed(backup, [bool(f) for f in flags[at:at + n]])
             at += n
+            if agreed and backup.l3_state is not None and backup.l3_path[-1:] == (backup.l3_state,):
+                # The backup that carried this terminal bundle's state to L3 is done: an agreed event
+                # (each rank's L3 put results are its own; a bundle recorded but not whole in L3 only
+                # costs a remove of what is missing, and reads as a miss as before).
+                self._l3_record(backup.l3_path)
         self.orphans.refresh_snapshot()  # claims take effect for the store's thread at once
         self._orphans_changed = False
 
@@ -420,6 +469,13 @@ class SsdTier:
         fetched = set(page_hashes)
         if not fetched:
             return
+        if self.l3_ledger is not None:
+            # Pages that were no agreed SSD orphan came from L3 (the SSD objects a prefetch can read are
+            # orphans, agreed on every rank): the bundle read is this server's now, as in sim/cluster.py.
+            # A read from the SSD alone only refreshes a bundle the ledger already holds.
+            path = path_page_hashes(anchor) + tuple(page_hashes)
+            if path[-1] in self.l3_ledger or any(key not in self.orphans for key in self._kv_keys(page_hashes)):
+                self._l3_record(path)
         self.orphans.claim(self._kv_keys(page_hashes))
         self._orphans_changed = True
         stack = list(anchor.children.values())

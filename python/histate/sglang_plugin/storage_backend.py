@@ -219,9 +219,10 @@ class HiStateStorageBackend(HiCacheStorage):
         # terminal state from an interior one, and dropping states it cannot judge would leave L3
         # without any resume point.
         self.l3_admits_state: Optional[Callable[[str], bool]] = None
+        self.num_ranks = storage_config.tp_size * storage_config.pp_size  # ranks writing this server's objects
         self.store = store if store is not None else open_store(
             section, on_evict=self._on_evict, namespace=rank_namespace(storage_config),
-            num_ranks=storage_config.tp_size * storage_config.pp_size, on_capacity_needed=self._on_capacity_needed)
+            num_ranks=self.num_ranks, on_capacity_needed=self._on_capacity_needed)
         self.registered_pools: dict = {}
         self.mem_pool_host: Any = None
         self.io_window = IoWindow()
@@ -230,7 +231,9 @@ class HiStateStorageBackend(HiCacheStorage):
             from .l3_tier import L3Tier
 
             try:
-                self.l3 = L3Tier(storage_config)
+                self.l3 = L3Tier(storage_config, require_digests=section.get("l3_require_digests", False),
+                                 fleet_budget_bytes=section.get("l3_budget_bytes", 0),
+                                 num_servers=section.get("l3_servers", 0))
             except BaseException:
                 self.store.close()
                 raise

@@ -47,9 +47,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional
 
-from ..core import HybridPrefixCache, Tier, make_policy
-from ..core import L3WriteConfig, plan_l3_writes
-from ..core.l3_ledger import L3Ledger, L3LedgerConfig, fleet_share_bytes
+from ..core import (HybridPrefixCache, L3Ledger, L3LedgerConfig, L3WriteConfig, Tier, fleet_share_bytes, make_policy,
+                    plan_l3_writes)
 from .admission import CacheGate, engine_profile
 from .costs import get_model
 from .engine import Engine, EngineRequest, EventKind
