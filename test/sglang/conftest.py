@@ -24,6 +24,34 @@ else:
     torch.set_num_threads(1)
 
 
+def _skip_without_mooncake():
+    from histate.l3 import services
+
+    reason = services.unavailable_reason()
+    if reason:
+        pytest.skip(f"loopback Mooncake unavailable: {reason}")
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    """A loopback Mooncake master + store service shared by one test module (test_l3_*.py)."""
+    from histate.l3 import services
+
+    _skip_without_mooncake()
+    with services.LoopbackMooncake(segment_size_bytes=32 * 2**20) as mc:
+        yield mc
+
+
+@pytest.fixture
+def own_mooncake():
+    """A master + store service for one test alone (the test kills the store service)."""
+    from histate.l3 import services
+
+    _skip_without_mooncake()
+    with services.LoopbackMooncake(segment_size_bytes=16 * 2**20) as mc:
+        yield mc
+
+
 def pytest_configure(config):
     # SGLang warns about CUDA-only quantization backends and torch.jit deprecations at import.
     config.addinivalue_line("filterwarnings", "ignore:Only CUDA")

@@ -21,19 +21,10 @@ import uuid
 
 import pytest
 
-from histate.l3 import digests, services
+from histate.l3 import digests
 
 from .test_l3_mooncake import _use
 from .test_l3_terminal import L3View, _path_hashes
-
-
-@pytest.fixture(scope="module")
-def mooncake():
-    reason = services.unavailable_reason()
-    if reason:
-        pytest.skip(f"loopback Mooncake unavailable: {reason}")
-    with services.LoopbackMooncake(segment_size_bytes=32 * 2**20) as mc:
-        yield mc
 
 
 def _cache(tmp_path, name, pools, **flags):

@@ -13,34 +13,12 @@ import uuid
 import pytest
 import torch
 
-from histate.l3 import services
 
 from sglang_cpu.hicache import build_hicache
 from sglang_cpu.pools import build_pools
 
 MODEL = "org/model"
 PREFIX = "org-model"  # MooncakeStore's config prefix: the model name with '/' -> '-'
-
-
-def _skip_without_mooncake():
-    reason = services.unavailable_reason()
-    if reason:
-        pytest.skip(f"loopback Mooncake unavailable: {reason}")
-
-
-@pytest.fixture(scope="module")
-def mooncake():
-    _skip_without_mooncake()
-    with services.LoopbackMooncake(segment_size_bytes=32 * 2**20) as mc:
-        yield mc
-
-
-@pytest.fixture
-def own_mooncake():
-    """A master + store service for one test alone (the test kills the store service)."""
-    _skip_without_mooncake()
-    with services.LoopbackMooncake(segment_size_bytes=16 * 2**20) as mc:
-        yield mc
 
 
 def _use(mc, monkeypatch):

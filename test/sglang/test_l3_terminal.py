@@ -14,18 +14,8 @@ import uuid
 import pytest
 import torch
 
-from histate.l3 import services
 
 from .test_l3_mooncake import _histate_server, _keys, _mamba, _probe, _tiered_cache, _use
-
-
-@pytest.fixture(scope="module")
-def mooncake():
-    reason = services.unavailable_reason()
-    if reason:
-        pytest.skip(f"loopback Mooncake unavailable: {reason}")
-    with services.LoopbackMooncake(segment_size_bytes=32 * 2**20) as mc:
-        yield mc
 
 
 def _tokens(num_tokens: int) -> list:

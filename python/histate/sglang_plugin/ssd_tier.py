@@ -346,18 +346,17 @@ class SsdTier:
         jobs = [(op, self.backups.pop(op)) for op in operation_ids if op in self.backups]
         if not jobs:
             return
-        flags = []
-        for _, backup in jobs:
-            flags += self._local_flags(backup)
+        keys_per_job = [self._object_keys(backup) for _, backup in jobs]
+        store = self.backend.store
+        flags = [int(store.exists(key)) for keys in keys_per_job for key in keys]
         if agreed:
             flags = self._all_reduce(flags, torch.distributed.ReduceOp.MIN)
         else:
             flags = [0] * len(flags)
         at = 0
-        for _, backup in jobs:
-            n = len(self._object_keys(backup))
-            self._on_backup_confirmed(backup, [bool(f) for f in flags[at:at + n]])
-            at += n
+        for (_, backup), keys in zip(jobs, keys_per_job):
+            self._on_backup_confirmed(backup, [bool(f) for f in flags[at:at + len(keys)]])
+            at += len(keys)
             if agreed and backup.l3_state is not None and backup.l3_path[-1:] == (backup.l3_state,):
                 # The backup that carried this terminal bundle's state to L3 is done: an agreed event
                 # (each rank's L3 put results are its own; a bundle recorded but not whole in L3 only
@@ -377,10 +376,6 @@ class SsdTier:
         if backup.with_state and backup.page_hashes:
             keys.append(self._state_key(backup.page_hashes))
         return keys
-
-    def _local_flags(self, backup: _Backup) -> list:
-        store = self.backend.store
-        return [int(store.exists(key)) for key in self._object_keys(backup)]
 
     def _on_backup_confirmed(self, backup: _Backup, stored: list) -> None:
         """Set SSD bits, claims and SSD bytes from what every rank stored (`stored`, per object key of
