@@ -153,6 +153,11 @@ class GdnRig:
         return Req(rid=rid, origin_input_text="", origin_input_ids=array("q", tokens),
                    sampling_params=SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
 
+    def forget(self, rid: str) -> None:
+        """Drop `rid`'s layer inputs once nothing will prefill it again (a long stream would otherwise
+        hold every prompt's activations: gigabytes in the differential test)."""
+        self.inputs.pop(rid, None)
+
     @torch.no_grad()
     def layer_inputs(self, tokens: Sequence[int]) -> list:
         recorded = [{} for _ in self.gdn]
@@ -227,8 +232,10 @@ class GdnRig:
             return None
         return self.slot_state(int(value[0]))
 
+    @torch.no_grad()
     def cold_layer_state(self, rid: str, position: int) -> tuple:
-        """Every GDN layer prefilled from nothing over tokens [0, position) of `rid`'s inputs."""
+        """Every GDN layer prefilled from nothing over tokens [0, position) of `rid`'s inputs (without
+        autograd: a kept state would otherwise hold its whole recompute graph alive, gigabytes per stream)."""
         convs, ssms = [], []
         for module, (mixed_qkv, a, b) in zip(self.gdn, self.inputs[rid]):
             x = mixed_qkv[:position]
@@ -244,6 +251,7 @@ class GdnRig:
             ssms.append(final.transpose(-1, -2))
         return torch.stack(convs), torch.stack(ssms)
 
+    @torch.no_grad()
     def cold_model_state(self, tokens: Sequence[int], position: int) -> tuple:
         """The reference model's own cold prefill of tokens [0, position) (transformers' kernels for
         everything but the GDN recurrence): (conv, ssm) in the pool's layouts."""

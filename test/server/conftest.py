@@ -1,8 +1,10 @@
 """SGLang's own server processes for the real-server tests (test and bench support: sglang_cpu/server).
 
 Each configuration is one `python -m sglang.launch_server` process group (launcher, tokenizer manager,
-scheduler, detokenizer), started once per session when a test first asks for it and stopped at the
-end; start-up and total times are printed in the summary. Servers started together boot in parallel.
+scheduler, detokenizer), started once when a test first asks for it and stopped after the last test of
+this directory (package scope: the directories after it get the memory back, and SGLang's host-tier
+check wants 10 GiB free besides what a pool asks for); start-up and total times are printed in the
+summary. Servers started together boot in parallel.
 
 Skips this directory, naming what is missing, when SGLang or the server's own imports are absent
 (`make venv` installs them).
@@ -73,14 +75,14 @@ class ServerFleet:
             self.stop(name)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fleet(tmp_path_factory):
     fleet = ServerFleet(tmp_path_factory.mktemp("servers"))
     yield fleet
     fleet.stop_all()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ssd_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ssd")
 
@@ -92,7 +94,7 @@ class Servers:
     fresh: object  # --enable-histate, untouched until the capture-exactness test (its hits are predictable)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def servers(fleet, ssd_root) -> Servers:
     """The three standard servers, booted together on first use."""
     return Servers(*fleet.get(("reference", REFERENCE_ARGS),

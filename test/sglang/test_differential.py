@@ -180,6 +180,7 @@ class _ColdStates:
             key = (position, tuple(tokens[:position]))
             if key not in self.cold:
                 self.cold[key] = self.rig.cold_layer_state(rid, position)
+                assert all(t.grad_fn is None for t in self.cold[key])  # a kept state holds no recompute graph
             for name, got, want in zip(("conv", "ssm"), self.rig.slot_state(slot), self.cold[key]):
                 diff = (got.double() - want.double()).abs().max().item()
                 assert diff <= STATE_TOLERANCE, f"{rid}: the {name} state at {position} is {diff:.3g} off a cold prefill"
@@ -248,6 +249,7 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
         req = rig.request(f"r{i}", tokens)
         seen: set = set()
         plugin_ends = _plugin_serve(rig, req, lambda: states.check(req.rid, tokens, seen))
+        rig.forget(req.rid)
         # every state this request planned and the state it resumed from were among those compared
         assert set(req._hs_plan) <= seen, (i, sorted(set(req._hs_plan) - seen))
         if req._hs_admitted[0]:
