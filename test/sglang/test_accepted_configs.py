@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import pytest
 
-from histate.sglang_plugin import hooks, plugin
+from histate.sglang_plugin import hook_points, hooks, plugin
 from histate.sglang_plugin.config import HiStateConfigError
 
 from .test_plugin_cli import _one_line_error
@@ -57,6 +57,11 @@ def registry(monkeypatch):
     monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
     monkeypatch.setattr(hooks, "_installed", set(hooks._installed))
     monkeypatch.setattr(hooks, "_failed", dict(hooks._failed))
+    # The probe targets are not SGLang's, so they are not in hook_points' table: these tests are about
+    # what the registry does, and test_hook_points.py about the table.
+    monkeypatch.setattr(hooks, "_check_listed", lambda group, group_hooks: None)
+    monkeypatch.setattr(hooks, "registry_hook", lambda target: hook_points.HookPoint(
+        target, "probe", "probe", "probe", hook_points.parameter_names(hooks.resolve_target(target)), "probe"))
 
     class Probe:
         def method(self, x):

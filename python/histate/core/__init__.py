@@ -13,7 +13,7 @@ from .config import (DECODE_TRACK_INTERVAL_TOKENS, DEFAULT_CHUNK_PAGES, DEFAULT_
 from .interval import Ema, IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
 from .observer import CacheObserver
 from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
-from .placement import TierPlan
+from .tier_plan import TierPlan
 from .prefill_order import DEFAULT_MAX_YIELDS, ShortPrefillFirst, prefill_work_tokens
 from .policy_state import PolicyState
 from .scoring import ScoringContext

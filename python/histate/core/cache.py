@@ -20,7 +20,8 @@ from .eviction import Evictor
 from .items import ItemBook
 from .ledger import Ledger, PartitionedLedger, UnboundedLedger
 from .observer import CacheObserver
-from .placement import Placement, TierPlan
+from .placement import Placement
+from .tier_plan import TierPlan
 from .policies import Policy, make_policy
 from .policy_state import PolicyState
 from .sessions import SessionRefs

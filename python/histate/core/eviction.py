@@ -2,7 +2,7 @@
 
 Units (units.py) are ranked per pool in a lazy victim heap (victims.py) with the policy's score
 (eq. 7 for HiState). `make_room` evicts the lowest-ranked unpinned unit until the bytes fit (I1). An
-evicted unit moves down a tier when room can be made there (placement.TierPlan), and is dropped only
+evicted unit moves down a tier when room can be made there (tier_plan.TierPlan), and is dropped only
 from the last tier; interior KV is never dropped (I3).
 
 Re-ranking after an eviction (paper §3.3: "affected costs are updated after eviction without
@@ -32,7 +32,7 @@ Two policy-selected mechanisms (docs/policies.md):
 from __future__ import annotations
 
 from .items import ItemBook
-from .placement import TierPlan
+from .tier_plan import TierPlan
 from .policy_state import PolicyState
 from .tree import Node, RadixTree
 from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind

@@ -13,12 +13,16 @@ checks that each target now names a different object than before (the wrapper Ho
 Any target that is missing or unchanged fails the whole group with one RuntimeError naming the group
 and every such target; the group is then not recorded as installed, and asking for it again raises
 the same error.
+
+Every target must be listed for its group in `hook_points.REGISTRY_HOOKS` (the one table of what the
+plugin replaces, with SGLang's file:line), and its parameters must still be the ones listed there: a
+hook written for other parameters would fail with a TypeError in the scheduler loop instead of here.
 """
 from __future__ import annotations
 
-import inspect
-import pkgutil
 from typing import Any, Callable, Sequence
+
+from .hook_points import parameter_names, registry_hook, resolve_target
 
 _installed: set = set()
 _failed: dict = {}  # group -> the error message it failed with
@@ -26,17 +30,6 @@ _failed: dict = {}  # group -> the error message it failed with
 
 def is_installed(group: str) -> bool:
     return group in _installed
-
-
-def resolve_target(target: str) -> Any:
-    """The object `target` ("module.Class.attr" or "module.attr") names now, as HookRegistry sees it:
-    looked up without binding (a classmethod's or staticmethod's function, not a fresh bound method)."""
-    owner_path, _, attr = target.rpartition(".")
-    if not owner_path:
-        raise ValueError(f"not a dotted path to an attribute: {target!r}")
-    owner = pkgutil.resolve_name(owner_path)
-    value = inspect.getattr_static(owner, attr)
-    return value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
 
 
 def _describe(error: BaseException) -> str:
@@ -64,6 +57,18 @@ def _forget(unpatched: Sequence[str], functions: Sequence[Callable]) -> None:
             del registry[target]
 
 
+def _check_listed(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None:
+    """A programming error, not an SGLang difference: every hook must be in the table, as listed."""
+    for target, _, kind in hooks:
+        try:
+            point = registry_hook(target)
+        except KeyError:
+            raise ValueError(f"hook target {target!r} is not listed in hook_points.REGISTRY_HOOKS") from None
+        if (point.owner, point.how) != (group, kind):
+            raise ValueError(f"hook target {target!r} is listed as {point.how} in group {point.owner!r}, "
+                             f"installed as {kind} in group {group!r}")
+
+
 def install_once(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None:
     """Register `hooks` ((target, function, "BEFORE" | "AFTER" | "AROUND")) and apply them, the first
     time `group` is installed in this process; raise RuntimeError naming the group and every target
@@ -75,6 +80,7 @@ def install_once(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     kinds = [HookType[kind] for _, _, kind in hooks]  # a bad kind is a KeyError before anything is registered
+    _check_listed(group, hooks)
     originals: dict = {}
     problems: dict = {}
     for target, _, _ in hooks:
@@ -82,6 +88,11 @@ def install_once(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None
             originals[target] = resolve_target(target)
         except Exception as error:  # ImportError, AttributeError, ValueError: the name is gone
             problems[target] = f"not found ({_describe(error)})"
+            continue
+        found = parameter_names(originals[target])
+        listed = registry_hook(target).params
+        if found != listed:
+            problems[target] = f"takes {found}, HiState's hook was written for {listed}"
     if not problems:  # all or nothing: a group with a missing target registers none of its hooks
         for (target, function, _), kind in zip(hooks, kinds):
             HookRegistry.register(target, function, kind)

@@ -24,6 +24,7 @@ from histate.core import Tier
 
 from .components import HiStateFullComponent, HiStateMambaComponent
 from .config import HiStateConfig, HiStateConfigError, resolve_config
+from .hook_points import check_overrides
 from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
 from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics
@@ -65,6 +66,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         from sglang.srt.runtime_context import mamba_checkpoint_grid
 
         config = histate_config or current_build_config() or resolve_config({"enable": True}, {})
+        check_overrides()  # fail closed: an overridden SGLang method that changed would be dead code
         register_tree_core()
         params.component_registry_override = {
             **(params.component_registry_override or {}),

@@ -1,0 +1,155 @@
+"""The one table of what HiState replaces in SGLang (hook_points.py) matches the installed SGLang.
+
+Expectations are computed independently of `hook_points.signature_problems` (which uses inspect): the
+file:line column is checked by reading SGLang's source text at that line and parsing the `def` with
+`ast`, and the table's completeness is checked by walking the plugin's classes and SGLang's
+HookRegistry, not by trusting the table.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from histate.sglang_plugin import hook_points, hooks
+
+ALL_POINTS = hook_points.REGISTRY_HOOKS + hook_points.OVERRIDES
+
+
+def _sglang_root() -> pathlib.Path:
+    import sglang
+
+    return pathlib.Path(sglang.__file__).parent
+
+
+_parsed: dict = {}
+
+
+def _def_at(sglang_line: str) -> ast.FunctionDef:
+    """The function SGLang's source defines at that line (the `def` line itself, as ast numbers it)."""
+    path, _, line = sglang_line.partition(":")
+    if path not in _parsed:
+        _parsed[path] = {node.lineno: node for node in ast.walk(ast.parse((_sglang_root() / path).read_text()))
+                         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert int(line) in _parsed[path], f"{sglang_line} is not a def in the installed SGLang"
+    return _parsed[path][int(line)]
+
+
+@pytest.mark.parametrize("point", ALL_POINTS, ids=lambda p: p.target.rsplit(".", 2)[-2] + "." + p.target.rsplit(".", 1)[-1])
+def test_the_listed_file_line_is_the_def_with_the_listed_parameters(point):
+    node = _def_at(point.sglang_line)
+    assert node.name == point.target.rsplit(".", 1)[-1]
+    args = node.args
+    names = [a.arg for a in args.posonlyargs + args.args]
+    names += [args.vararg.arg] if args.vararg else []
+    names += [a.arg for a in args.kwonlyargs]
+    names += [args.kwarg.arg] if args.kwarg else []
+    assert tuple(names) == point.params
+
+
+def test_the_installed_sglang_fits_every_hook_point():
+    assert hook_points.signature_problems(ALL_POINTS) == []
+
+
+def _plugin_classes():
+    from histate.sglang_plugin.components import HiStateFullComponent, HiStateMambaComponent
+    from histate.sglang_plugin.tree_cache import HiStateRadixCache
+    from histate.sglang_plugin.tree_core import HiStateTreeCore
+
+    return HiStateRadixCache, HiStateTreeCore, HiStateFullComponent, HiStateMambaComponent
+
+
+def test_every_sglang_method_the_plugin_overrides_is_listed():
+    found = set()
+    for cls in _plugin_classes():
+        ours = {name for k in cls.__mro__ if k.__module__.startswith("histate.")
+                for name, value in vars(k).items() if callable(value) or isinstance(value, (classmethod, staticmethod))}
+        for name in ours:
+            if name.startswith("__") and name != "__init__":
+                continue
+            base = next((k for k in cls.__mro__ if k.__module__.startswith("sglang.") and name in vars(k)), None)
+            if base is not None:
+                found.add((cls.__name__, f"{base.__module__}.{base.__qualname__}.{name}"))
+    listed = {(point.owner, point.target) for point in hook_points.OVERRIDES}
+    assert found == listed
+
+
+def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_is_installed(sglang_plugins):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from histate.sglang_plugin.capture import install_scheduler_hooks
+    from histate.sglang_plugin.capture_forward import install_forward_hooks
+    from histate.sglang_plugin.chunking import install_chunk_planning
+    from histate.sglang_plugin.host_stack import install_host_policy
+    from histate.sglang_plugin.short_prefill import install_short_prefill_first
+
+    for install in (install_scheduler_hooks, install_forward_hooks, install_chunk_planning, install_host_policy,
+                    install_short_prefill_first):
+        install()
+    ours = {target for target, entries in HookRegistry._hooks.items()
+            if any(getattr(entry[1], "__module__", "").startswith("histate.") for entry in entries)}
+    assert ours == {point.target for point in hook_points.REGISTRY_HOOKS}
+
+
+@pytest.fixture
+def fresh_groups(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(
+        list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
+    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
+    monkeypatch.setattr(hooks, "_installed", set())
+    monkeypatch.setattr(hooks, "_failed", {})
+    return HookRegistry
+
+
+def _floor_around(original, *args, **kwargs):
+    return original(*args, **kwargs)
+
+
+def test_a_hook_whose_sglang_function_changed_parameters_is_refused_before_anything_is_registered(
+        fresh_groups, monkeypatch):
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    def floor_chunked_tokens(self, trunc_len):  # SGLang dropped `remaining`
+        return trunc_len
+
+    monkeypatch.setattr(PrefillAdder, "floor_chunked_tokens", floor_chunked_tokens)
+    target = "sglang.srt.managers.schedule_policy.PrefillAdder.floor_chunked_tokens"
+    registered_before = {k: list(v) for k, v in fresh_groups._hooks.items()}
+    with pytest.raises(RuntimeError) as error:
+        hooks.install_once("chunking", [(target, _floor_around, "AROUND")])
+    assert f"{target} takes ('self', 'trunc_len'), HiState's hook was written for ('self', 'trunc_len', 'remaining')" \
+        in str(error.value)
+    assert PrefillAdder.floor_chunked_tokens is floor_chunked_tokens
+    assert {k: list(v) for k, v in fresh_groups._hooks.items()} == registered_before
+    problems = hook_points.signature_problems([hook_points.registry_hook(target)])
+    assert len(problems) == 1 and "srt/managers/schedule_policy.py:863" in problems[0]
+
+
+def test_a_hook_not_in_the_table_or_in_another_group_is_a_programming_error(fresh_groups):
+    with pytest.raises(ValueError, match="not listed in hook_points.REGISTRY_HOOKS"):
+        hooks.install_once("chunking", [("sglang.srt.managers.schedule_policy.PrefillAdder.budget_state",
+                                         _floor_around, "AROUND")])
+    with pytest.raises(ValueError, match="listed as AROUND in group 'chunking', installed as AFTER in group 'capture'"):
+        hooks.install_once("capture", [("sglang.srt.managers.schedule_policy.PrefillAdder.floor_chunked_tokens",
+                                        _floor_around, "AFTER")])
+
+
+def test_a_renamed_overridden_method_refuses_the_cache_with_one_line(monkeypatch):
+    """SGLang renamed `_evict_device_start`: HiState's override would be dead code and SGLang's own walk
+    would run with HiState's heaps half-installed; the cache refuses to build instead."""
+    from sglang.srt.mem_cache.unified_cache.components.base import TreeComponent
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+
+    monkeypatch.delattr(FullComponent, "_evict_device_start")
+    monkeypatch.delattr(TreeComponent, "_evict_device_start")  # renamed in the base class too
+    monkeypatch.setattr(hook_points, "_overrides_checked", False)
+    with pytest.raises(RuntimeError) as error:
+        hook_points.check_overrides()
+    message = str(error.value)
+    assert "\n" not in message
+    assert "FullComponent._evict_device_start (srt/mem_cache/unified_cache/components/full.py:209 in 0.5.23) " \
+           "not found" in message
+    assert "MambaComponent._evict_device_start" not in message  # only what changed is named
