@@ -58,6 +58,23 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:torch.jit")
 
 
+@pytest.fixture
+def isolated_hooks(monkeypatch):
+    """SGLang's HookRegistry and HiState's installed/failed group records, copied for one test (what
+    the test registers is gone after it); returns the registry."""
+    from collections import defaultdict
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from histate.sglang_plugin import hooks
+
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
+    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
+    monkeypatch.setattr(hooks, "_installed", set(hooks._installed))
+    monkeypatch.setattr(hooks, "_failed", dict(hooks._failed))
+    return HookRegistry
+
+
 @pytest.fixture(scope="session")
 def sglang_plugins():
     """Load SGLang's plugin entry points once (registers HiState's hooks and backend)."""

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import types
-from collections import defaultdict
 
 import pytest
 
@@ -48,15 +47,9 @@ def _prepare(argv):
 # --------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def registry(monkeypatch):
+def registry(isolated_hooks, monkeypatch):
     """SGLang's HookRegistry and HiState's group records, isolated for one test, with a probe module
     whose methods the test hooks."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
-    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
-    monkeypatch.setattr(hooks, "_installed", set(hooks._installed))
-    monkeypatch.setattr(hooks, "_failed", dict(hooks._failed))
     # The probe targets are not SGLang's, so they are not in hook_points' table: these tests are about
     # what the registry does, and test_hook_points.py about the table.
     monkeypatch.setattr(hooks, "_check_listed", lambda group, group_hooks: None)
@@ -78,7 +71,7 @@ def registry(monkeypatch):
     module = types.ModuleType("histate_hook_probe")
     module.Probe = Probe
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    return HookRegistry
+    return isolated_hooks
 
 
 def _after(result, *args, **kwargs):

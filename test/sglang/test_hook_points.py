@@ -93,15 +93,11 @@ def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_
 
 
 @pytest.fixture
-def fresh_groups(monkeypatch):
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(
-        list, {k: list(v) for k, v in HookRegistry._hooks.items()}))
-    monkeypatch.setattr(HookRegistry, "_patched", set(HookRegistry._patched))
+def no_groups_installed(isolated_hooks, monkeypatch):
+    """As if no hook group were installed yet in this process (install_once checks a group once)."""
     monkeypatch.setattr(hooks, "_installed", set())
     monkeypatch.setattr(hooks, "_failed", {})
-    return HookRegistry
+    return isolated_hooks
 
 
 def _floor_around(original, *args, **kwargs):
@@ -109,7 +105,7 @@ def _floor_around(original, *args, **kwargs):
 
 
 def test_a_hook_whose_sglang_function_changed_parameters_is_refused_before_anything_is_registered(
-        fresh_groups, monkeypatch):
+        no_groups_installed, monkeypatch):
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
     def floor_chunked_tokens(self, trunc_len):  # SGLang dropped `remaining`
@@ -117,18 +113,18 @@ def test_a_hook_whose_sglang_function_changed_parameters_is_refused_before_anyth
 
     monkeypatch.setattr(PrefillAdder, "floor_chunked_tokens", floor_chunked_tokens)
     target = "sglang.srt.managers.schedule_policy.PrefillAdder.floor_chunked_tokens"
-    registered_before = {k: list(v) for k, v in fresh_groups._hooks.items()}
+    registered_before = {k: list(v) for k, v in no_groups_installed._hooks.items()}
     with pytest.raises(RuntimeError) as error:
         hooks.install_once("chunking", [(target, _floor_around, "AROUND")])
     assert f"{target} takes ('self', 'trunc_len'), HiState's hook was written for ('self', 'trunc_len', 'remaining')" \
         in str(error.value)
     assert PrefillAdder.floor_chunked_tokens is floor_chunked_tokens
-    assert {k: list(v) for k, v in fresh_groups._hooks.items()} == registered_before
+    assert {k: list(v) for k, v in no_groups_installed._hooks.items()} == registered_before
     problems = hook_points.signature_problems([hook_points.registry_hook(target)])
     assert len(problems) == 1 and "srt/managers/schedule_policy.py:863" in problems[0]
 
 
-def test_a_hook_not_in_the_table_or_in_another_group_is_a_programming_error(fresh_groups):
+def test_a_hook_not_in_the_table_or_in_another_group_is_a_programming_error(no_groups_installed):
     with pytest.raises(ValueError, match="not listed in hook_points.REGISTRY_HOOKS"):
         hooks.install_once("chunking", [("sglang.srt.managers.schedule_policy.PrefillAdder.budget_state",
                                          _floor_around, "AROUND")])

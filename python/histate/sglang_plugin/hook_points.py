@@ -10,12 +10,12 @@ Two kinds of hook point:
 
 Why a table and a check, not trust: a renamed SGLang method leaves an override dead (SGLang's own
 behaviour silently returns) and a changed signature breaks a hook at call time, deep in the scheduler
-loop. `signature_problems` compares the installed SGLang with the parameters recorded here;
-`install_once` runs it for its group before registering anything, and the cache runs it for
-`OVERRIDES` when it is built, so an SGLang that differs is refused at start with one line naming the
-hook point. `test/sglang/test_hook_points.py` also checks the file:line column and that every
-override the plugin's classes define is listed. The upstream patch series (docs/upstream.md) replaces
-these points with public hooks.
+loop. `parameter_mismatch` compares the installed SGLang with the parameters recorded here;
+`install_once` checks its group's targets with it before registering anything, and the cache checks
+`OVERRIDES` (`check_overrides`) when it is built, so an SGLang that differs is refused at start with one
+line naming the hook point. `test/sglang/test_hook_points.py` also checks the file:line column and
+that every override the plugin's classes define is listed. The upstream patch series (issue 29) is to
+replace these points with public hooks.
 
 Each entry: the dotted SGLang target, how it is hooked (a HookRegistry kind, or "override"), the hook
 group or plugin class, SGLang's file:line (relative to the `sglang` package), the parameter names
@@ -284,20 +284,28 @@ def parameter_names(function) -> tuple:
     return tuple(inspect.signature(inspect.unwrap(function)).parameters)
 
 
+def parameter_mismatch(point: HookPoint, function) -> str | None:
+    """Why `function` (what `point.target` names in the installed SGLang) no longer fits `point`, or None."""
+    found = parameter_names(function)
+    if found == point.params:
+        return None
+    return f"takes {found}, HiState's hook was written for {point.params}"
+
+
 def signature_problems(points: Iterable[HookPoint]) -> list:
     """One line per hook point whose target is gone from the installed SGLang or whose parameters
     differ from the ones HiState was written against; empty when every point still fits."""
     problems = []
     for point in points:
         try:
-            found = parameter_names(resolve_target(point.target))
+            function = resolve_target(point.target)
         except Exception as error:  # ImportError, AttributeError, ValueError: the name is gone
             problems.append(f"{point.target} ({point.sglang_line} in 0.5.23) not found: "
                             f"{type(error).__name__}: {error}".splitlines()[0])
             continue
-        if found != point.params:
-            problems.append(f"{point.target} ({point.sglang_line} in 0.5.23) takes {found}, "
-                            f"HiState was written for {point.params}")
+        mismatch = parameter_mismatch(point, function)
+        if mismatch:
+            problems.append(f"{point.target} ({point.sglang_line} in 0.5.23) {mismatch}")
     return problems
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from .hook_points import parameter_names, registry_hook, resolve_target
+from .hook_points import parameter_mismatch, registry_hook, resolve_target
 
 _installed: set = set()
 _failed: dict = {}  # group -> the error message it failed with
@@ -89,10 +89,9 @@ def install_once(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None
         except Exception as error:  # ImportError, AttributeError, ValueError: the name is gone
             problems[target] = f"not found ({_describe(error)})"
             continue
-        found = parameter_names(originals[target])
-        listed = registry_hook(target).params
-        if found != listed:
-            problems[target] = f"takes {found}, HiState's hook was written for {listed}"
+        mismatch = parameter_mismatch(registry_hook(target), originals[target])
+        if mismatch:
+            problems[target] = mismatch
     if not problems:  # all or nothing: a group with a missing target registers none of its hooks
         for (target, function, _), kind in zip(hooks, kinds):
             HookRegistry.register(target, function, kind)
