@@ -395,6 +395,28 @@ def test_objects_from_before_a_restart_are_reclaimable(sglang_plugins, tmp_path,
     second.sanity_check()
 
 
+def test_the_store_is_never_handed_orphans_already_gone(sglang_plugins, tmp_path, monkeypatch):
+    """The store's capacity callback reads a snapshot of the orphans that the scheduler thread refreshes
+    once per step; objects removed since (an earlier capacity round, the trim) are still in it. Handed
+    those, the store freed nothing and the write failed no_capacity with orphans left (1 in ~7 runs of
+    the restart test above, on SGLang's backup thread)."""
+    pools = build_pools(1024, 32)
+    first = _small_ssd_cache(tmp_path, pools, monkeypatch)
+    _fill(first, pools, 100_000, 100, until_used_share=0.8)
+    first.histate.ssd_tier.backend.close()
+    second = _small_ssd_cache(tmp_path, build_pools(1024, 32), monkeypatch)
+    tier = second.histate.ssd_tier
+    store = tier.backend.store
+    stale = [key for key, _ in tier.orphans.snapshot[:4]]
+    for key in stale:
+        store.delete(key)  # as a capacity round would: the snapshot still names them
+    sizes = dict(tier.orphans.snapshot)
+    assert set(stale) <= sizes.keys()
+    need = sum(sizes[key] for key in stale)
+    picked = tier.pick_ssd_victims(need)
+    assert all(store.exists(key) for key in picked) and sum(sizes[key] for key in picked) >= need
+
+
 def test_a_flush_turns_every_ssd_object_into_an_orphan(sglang_plugins, tmp_path, monkeypatch):
     pools = build_pools(1024, 32)
     cache = _small_ssd_cache(tmp_path, pools, monkeypatch)

@@ -67,6 +67,29 @@ def test_callback_that_frees_too_little_refuses_the_put(make_store):
     _check_accounting(store)
 
 
+def test_a_round_that_frees_too_little_asks_the_owner_again(make_store):
+    """The owner's first answer frees one file of the two the put needs (another thread removed the
+    rest of what it chose, seen with the SSD tier's snapshot of orphans): the store asks again, with
+    what is still missing, and admits the put. A round that removes nothing ends it (no_capacity)."""
+    asked, answers = [], [["k0", "gone"], ["k1"]]
+
+    def on_capacity_needed(bytes_needed):
+        asked.append(bytes_needed)
+        return answers.pop(0) if answers else []
+
+    store = make_store(capacity_bytes=3 * FILE_BYTES, on_capacity_needed=on_capacity_needed)
+    for i in range(3):
+        store.put(f"k{i}", _arr(i))
+    big = np.zeros(OBJ + 12288, dtype=np.uint8)  # two files' worth: 4 KiB header + 24 KiB of payload
+    r = store.put("big", big)
+    assert r.stored and r.file_bytes == 2 * FILE_BYTES - 4096
+    assert asked == [2 * FILE_BYTES - 4096, FILE_BYTES - 4096]
+    assert sorted(store.keys()) == ["big", "k2"]
+    assert store.used_bytes == sum(os.path.getsize(store.layout.final_path(k)) for k in store.keys()) <= 3 * FILE_BYTES
+    assert store.put("more", big).fault is Fault.NO_CAPACITY and len(asked) == 3  # nothing removed: ends
+    assert store.used_bytes == sum(os.path.getsize(store.layout.final_path(k)) for k in store.keys()) <= 3 * FILE_BYTES
+
+
 def test_writes_in_flight_count_against_the_budget(make_store, monkeypatch):
     """Two puts queued and not yet written hold their bytes (reservations): a third that only fits if
     they are forgotten is refused, and the budget holds once they land. The writer is held on a gate

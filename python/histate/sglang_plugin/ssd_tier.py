@@ -686,11 +686,15 @@ class SsdTier:
     def pick_ssd_victims(self, bytes_needed: int) -> list:
         """The store's `on_capacity_needed` (docs/storage.md): orphans lowest score first, never a
         live unit (ranking reads the tree, which only the scheduler thread may). Runs in SGLang's
-        backup thread; reads the snapshot `trim` refreshes."""
-        keys, covered = [], 0
+        backup thread; reads the snapshot `trim` refreshes, which can name objects removed since (by
+        this callback's earlier calls or the trim): those free nothing, so they are skipped (before,
+        a put whose victims were all gone failed `no_capacity` with orphans left to reclaim)."""
+        store, keys, covered = self.backend.store, [], 0
         for key, size_bytes in self.orphans.snapshot:
             if covered >= bytes_needed:
                 break
+            if not store.exists(key):
+                continue
             keys.append(key)
             covered += size_bytes
         return keys

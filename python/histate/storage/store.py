@@ -482,32 +482,35 @@ class CheckpointStore:
         return fault
 
     def _reserve(self, file_bytes: int) -> Fault | None:
+        """Reserve `file_bytes` of the budget, removing victims until they fit. The victims are asked for
+        again while the last round removed something: another thread (a delete, another put's round)
+        may have removed some of them since they were chosen, so a round can free less than it was
+        asked to (seen: an owner's snapshot naming objects an earlier round had already removed)."""
         capacity = self.config.capacity_bytes
         if file_bytes > capacity:
             return Fault.NO_CAPACITY
-        with self._lock:
-            need = self._index.used_bytes + self._reserved_bytes + file_bytes - capacity
-            if need <= 0:
-                self._reserved_bytes += file_bytes
-                return None
-            victims = None if self._on_capacity_needed else self._oldest_covering(need)
-        if victims is None:
-            try:
-                victims = list(self._on_capacity_needed(need))
-            except Exception:
-                self._owner_failed("on_capacity_needed")
+        while True:
+            with self._lock:
+                need = self._index.used_bytes + self._reserved_bytes + file_bytes - capacity
+                if need <= 0:
+                    self._reserved_bytes += file_bytes
+                    return None
+                victims = None if self._on_capacity_needed else self._oldest_covering(need)
+            if victims is None:
+                try:
+                    victims = list(self._on_capacity_needed(need))
+                except Exception:
+                    self._owner_failed("on_capacity_needed")
+                    return Fault.OWNER_ERROR
+            owner_ok, removed = True, 0
+            for key in victims:
+                for entry in self._evict_file_of(key):
+                    removed += 1
+                    owner_ok = self._emit(entry, "capacity") and owner_ok
+            if not owner_ok:
                 return Fault.OWNER_ERROR
-        owner_ok = True
-        for key in victims:
-            for entry in self._evict_file_of(key):
-                owner_ok = self._emit(entry, "capacity") and owner_ok
-        if not owner_ok:
-            return Fault.OWNER_ERROR
-        with self._lock:
-            if self._index.used_bytes + self._reserved_bytes + file_bytes <= capacity:
-                self._reserved_bytes += file_bytes
-                return None
-        return Fault.NO_CAPACITY
+            if not removed:
+                return Fault.NO_CAPACITY
 
     def _oldest_covering(self, need: int) -> list[str]:
         """Keys of the oldest files whose removal frees `need` bytes (one key per file suffices)."""
