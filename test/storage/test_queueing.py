@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-import histate.storage.store as store_mod
+import histate.storage.read_path as read_path
+import histate.storage.write_path as write_path
 from histate.storage import Fault
 
 
@@ -17,7 +18,7 @@ from histate.storage import Fault
 def gated(monkeypatch):
     """Record execution order; the put of key 'blocker' waits for `gate` once it has started."""
     gate, started, order = threading.Event(), threading.Event(), []
-    real_write, real_read = store_mod.write_items, store_mod.read_items
+    real_write, real_read = write_path.write_items, read_path.read_items
 
     def write_items(sess, f, seq, specs, *args, **kw):
         order.append(("put", specs[0].key))
@@ -30,8 +31,8 @@ def gated(monkeypatch):
         order.append(("get", header.items[indices[0]].key))
         return real_read(sess, f, header, indices, *args)
 
-    monkeypatch.setattr(store_mod, "write_items", write_items)
-    monkeypatch.setattr(store_mod, "read_items", read_items)
+    monkeypatch.setattr(write_path, "write_items", write_items)
+    monkeypatch.setattr(read_path, "read_items", read_items)
     return gate, started, order
 
 
