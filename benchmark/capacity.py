@@ -45,7 +45,8 @@ def load_probes(path: Path) -> dict:
 
 def search_row(row: str, seed: int, policies: list, known: dict, probes_path: str, start: int, sched_args: str) -> dict:
     """Every policy's capacity on one (row, seed); runs in a worker process."""
-    from histate.cli import build_config, build_parser, plan_replay, resolve_workload_settings
+    from histate.cli.parser import build_parser
+    from histate.cli.plan import build_config, plan_replay, resolve_workload_settings
     from histate.sim.metrics import summarize
     from histate.sim.replay import replay_policies
 

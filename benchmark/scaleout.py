@@ -39,7 +39,8 @@ GiB = 2**30
 
 def workload_and_config(args, num_servers: int):
     """The workload and per-server ReplayConfig of one cell (sessions scale with servers)."""
-    from histate.cli import build_parser, plan_replay
+    from histate.cli.parser import build_parser
+    from histate.cli.plan import plan_replay
 
     sessions = args.sessions_per_server * num_servers
     argv = ["replay", "--no-plots", "--no-progress", "--seed", str(args.seed), "--max-live-sessions",

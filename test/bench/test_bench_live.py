@@ -245,12 +245,12 @@ def test_an_empty_trace_is_an_error(tmp_path, capsys):
 
 
 def test_ctrl_c_while_the_trace_loads_is_one_line(tmp_path, capsys, monkeypatch):
-    import histate.cli
+    import histate.cli.plan
 
     def interrupted(args, settings):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(histate.cli, "load_workload", interrupted)
+    monkeypatch.setattr(histate.cli.plan, "load_workload", interrupted)
     trace = _long_prompt_trace(tmp_path, 1000)
     assert run_cli(["bench", "--base-url", closed_port_url(), "--trace", str(trace), "--out", str(tmp_path / "o"),
                     "--no-progress"]) == 130

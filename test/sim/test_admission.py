@@ -228,7 +228,8 @@ def test_enable_mixed_chunk_mixes_decodes_into_sglang_prefill_steps_only():
     """SGLang's --enable-mixed-chunk (scheduler.py:1376-1378) turns on the engine's mixed steps for the
     policies SGLang serves (decodes ride in prefill steps, each taking a token of the chunk budget:
     test_engine.py pins that rule); vLLM's scheduler always mixes, flag or not."""
-    from histate.cli import build_config, build_parser, resolve_workload_settings
+    from histate.cli.parser import build_parser
+    from histate.cli.plan import build_config, resolve_workload_settings
     from histate.sim.admission import engine_profile
 
     def engines(flags):

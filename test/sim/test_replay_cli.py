@@ -231,12 +231,12 @@ def test_ctrl_c_during_a_policy_writes_the_policies_that_finished(tmp_path, caps
 
 
 def test_ctrl_c_while_loading_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    import histate.cli
+    import histate.cli.plan
 
     def interrupted(args, settings):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(histate.cli, "load_workload", interrupted)
+    monkeypatch.setattr(histate.cli.plan, "load_workload", interrupted)
     out_dir = tmp_path / "out"
     rc, _, err = run(["--trace", str(small_trace(tmp_path)), "--out", str(out_dir), *FAST], capsys)
     assert rc == 130
