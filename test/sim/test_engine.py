@@ -110,6 +110,22 @@ def test_max_running_requests_holds_back_new_prefills():
     assert b.prefill_start_s == a.finish_s and b.first_token_s == a.finish_s + 64 * TOKEN_S
 
 
+def test_a_slot_is_held_until_the_step_that_finishes_its_request_ends():
+    """With one slot, b arrives while a's decode steps, already committed, run until a's finish: b is
+    admitted when a finishes, not at its arrival (a's slot, memory and cache insert come with its
+    FINISHED event). Before the fix b was admitted at 0.07 and matched the cache before a's insert."""
+    eng = engine(max_running_requests=1)
+    a = eng.submit(req("a", 64, out=11), 0.0)               # first token at 1/16, then 10 decode steps
+    assert drain(eng, 0.0625) == [("FIRST_TOKEN", "a", 0.0625)]
+    finish_a = 0.0625 + 10 * DECODE_S
+    arrival_b = finish_a - DECODE_S / 2                      # during a's last decode step
+    assert eng.advance_until(arrival_b) == []                # the steps up to a's finish are committed
+    b = eng.submit(req("b", 64), arrival_b)
+    assert drain(eng) == [("FINISHED", "a", finish_a), ("FIRST_TOKEN", "b", finish_a + 64 * TOKEN_S),
+                          ("FINISHED", "b", finish_a + 64 * TOKEN_S)]
+    assert a.finish_s == finish_a and b.admitted_s == finish_a
+
+
 # ------------------------------------------------------------------------------------- restores
 def test_restore_follows_eq2_and_overlaps_cpu_with_ssd_reads():
     eng = engine()

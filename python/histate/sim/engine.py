@@ -383,10 +383,17 @@ class Engine:
                 raise ValueError(f"unknown tier {tier!r} in {req}")
 
     def _admit_waiting(self, now_s: float) -> None:
-        """Admit waiting requests in FIFO order until the gate refuses one (head-of-line blocking)."""
-        while self._waiting and len(self._running) < self.config.max_running_requests:
+        """Admit waiting requests in FIFO order until the gate refuses one (head-of-line blocking).
+
+        A request whose last step is committed but not yet over (its FINISHED event is pending) still
+        holds its slot and its memory until that step ends: counting it as gone admitted a request
+        arriving mid-step at its arrival, before the finished request's pages reached the cache (seen:
+        the cluster twin, one request at a time, matching a worker's second request against an empty
+        cache that live had filled)."""
+        finishing = sum(ev.kind is EventKind.FINISHED for ev in self._pending) if self._pending else 0
+        while self._waiting and len(self._running) + finishing < self.config.max_running_requests:
             active = self._waiting[0]
-            idle = not self._running
+            idle = not self._running and not finishing
             admitted = self.gate.admit(active.req, active.target, now_s, idle=idle)
             if admitted is None:
                 if idle:  # nothing would ever free memory: the replay could not end
