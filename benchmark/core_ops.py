@@ -6,6 +6,11 @@ GPU-only budget of N pages so that, once warm, every request evicts. We time the
 fills the cache, and report the median / p99 in microseconds plus evictions per request, so cost per
 evicted unit can be read off across sizes (it should grow no faster than log n).
 
+`--per-op` also times each operation on its own (issue 29's "insert, match, evict and the eq. 7
+re-rank"): match = `begin_request`; plan = `plan_checkpoints`; evict = one `_evict_one` (pop the
+lowest unit, evict it, re-offer what changed); re-rank = one flush of the deferred re-offers at the
+end of a `make_room` pass; insert = `finish_request` less the evictions and re-ranks inside it.
+
     .venv/bin/python benchmark/core_ops.py [--sizes 1000 10000 100000 1000000] [--requests 5000]
 """
 from __future__ import annotations
@@ -24,19 +29,41 @@ PAGE_TOKENS = 64
 CLOCK = time.thread_time_ns
 
 
-def timed_evictions(cache) -> list:
-    """Wrap the cache's single-eviction step to time each evicted unit (benchmark-only patch)."""
-    samples_ns = []
-    inner = cache.evictor._evict_one
+def timed_evictions(cache) -> tuple:
+    """Wrap the cache's single-eviction step and its deferred re-rank flush to time each call
+    (benchmark-only patch): (eviction samples, re-rank samples, [ns spent in both since reset])."""
+    samples_ns, rerank_ns, inside_ns = [], [], [0]
+    evictor = cache.evictor
+    inner_evict, inner_flush = evictor._evict_one, evictor._flush_deferred
 
     def evict_one(pool, now_s):
         t0 = CLOCK()
-        done = inner(pool, now_s)
-        samples_ns.append(CLOCK() - t0)
+        done = inner_evict(pool, now_s)
+        dt = CLOCK() - t0
+        samples_ns.append(dt)
+        inside_ns[0] += dt
         return done
 
-    cache.evictor._evict_one = evict_one
-    return samples_ns
+    def flush_deferred():
+        t0 = CLOCK()
+        flushed = inner_flush()
+        dt = CLOCK() - t0
+        if flushed:
+            rerank_ns.append(dt)
+        inside_ns[0] += dt
+        return flushed
+
+    evictor._evict_one = evict_one
+    evictor._flush_deferred = flush_deferred
+    return samples_ns, rerank_ns, inside_ns
+
+
+def _p(samples_ns: list, q: float) -> float:
+    """Quantile `q` of `samples_ns` in microseconds (0.0 when empty)."""
+    if not samples_ns:
+        return 0.0
+    ordered = sorted(samples_ns)
+    return ordered[int(q * (len(ordered) - 1))] / 1e3
 
 
 def run(num_pages: int, num_requests: int, policy: str, freeze_gc: bool, seed: int = 0) -> dict:
@@ -47,6 +74,8 @@ def run(num_pages: int, num_requests: int, policy: str, freeze_gc: bool, seed: i
     num_sessions = max(8, num_pages // 400)
     contexts = [[(s, -1, i) for i in range(8)] for s in range(num_sessions)]
     now = 0.0
+    ops = {"match": [], "plan": [], "insert": []}
+    inside_ns = [0]  # replaced by the timers' counter once warm
 
     def one_request(turn: int) -> int:
         nonlocal now
@@ -59,8 +88,16 @@ def run(num_pages: int, num_requests: int, policy: str, freeze_gc: bool, seed: i
         now += 1.0
         t0 = CLOCK()
         lease = cache.begin_request(ctx, now)
-        cache.finish_request(lease, None, now, cache.plan_checkpoints(lease))
-        return CLOCK() - t0
+        t1 = CLOCK()
+        depths = cache.plan_checkpoints(lease)
+        t2 = CLOCK()
+        inside_before = inside_ns[0]
+        cache.finish_request(lease, None, now, depths)
+        t3 = CLOCK()
+        ops["match"].append(t1 - t0)
+        ops["plan"].append(t2 - t1)
+        ops["insert"].append(t3 - t2 - (inside_ns[0] - inside_before))
+        return t3 - t0
 
     warm = 0
     while cache.ledger.used_bytes[Tier.GPU] < 0.95 * num_pages * PAGE_TOKENS:
@@ -69,7 +106,9 @@ def run(num_pages: int, num_requests: int, policy: str, freeze_gc: bool, seed: i
     if freeze_gc:  # what a server does after start-up (gc.freeze): old objects leave the GC's scans
         gc.collect()
         gc.freeze()
-    eviction_ns = timed_evictions(cache)
+    eviction_ns, rerank_ns, inside_ns = timed_evictions(cache)
+    for samples in ops.values():
+        samples.clear()  # the warm-up's
     samples_ns = [one_request(warm + i) for i in range(num_requests)]
     if freeze_gc:
         gc.unfreeze()
@@ -81,6 +120,8 @@ def run(num_pages: int, num_requests: int, policy: str, freeze_gc: bool, seed: i
         "p99_us": samples_us[int(0.99 * (len(samples_us) - 1))],
         "evictions_per_req": len(eviction_ns) / num_requests,
         "us_per_eviction": statistics.median(eviction_ns) / 1e3 if eviction_ns else 0.0,
+        "ops": {name: (_p(v, 0.5), _p(v, 0.99)) for name, v in
+                (*ops.items(), ("evict", eviction_ns), ("re-rank", rerank_ns))},
     }
 
 
@@ -89,6 +130,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000, 1_000_000])
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--policy", default="histate")
+    ap.add_argument("--per-op", action="store_true", help="also p50 / p99 of each operation (module docstring)")
     args = ap.parse_args()
     print(f"policy={args.policy} requests={args.requests} (timed after warm-up); gc: default vs frozen after warm-up")
     print(f"{'cached pages':>12} {'nodes':>8} {'gc':>7} {'p50 us':>9} {'p99 us':>9} {'evict/req':>10} "
@@ -98,6 +140,9 @@ def main() -> None:
             r = run(n, args.requests, args.policy, freeze_gc)
             print(f"{r['pages']:>12,} {r['nodes']:>8,} {'frozen' if freeze_gc else 'default':>7} {r['p50_us']:>9.1f} "
                   f"{r['p99_us']:>9.1f} {r['evictions_per_req']:>10.2f} {r['us_per_eviction']:>16.1f}", flush=True)
+            if args.per_op:
+                print("      per operation p50 / p99 us: " + ", ".join(
+                    f"{name} {p50:.1f} / {p99:.1f}" for name, (p50, p99) in r["ops"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,15 @@ class _PointMass:
             total += (self.prefix[i + 1] - self.prefix[i]) * (pos - checkpoints[bisect_right(checkpoints, pos) - 1])
         return total
 
+    def grid_cost(self, start: int, interval: int) -> float:
+        """`cost` of the checkpoints start, start + interval, ... (every position lies past `start`):
+        the nearest one below a position is arithmetic, no search. Same terms, same order: the same
+        float as `cost`."""
+        total, prefix = 0.0, self.prefix
+        for i, pos in enumerate(self.positions):
+            total += (prefix[i + 1] - prefix[i]) * ((pos - start) % interval)
+        return total
+
     def saving(self, checkpoints: Sequence[int], candidate: int, end_pages: int) -> float:
         """How much a checkpoint at `candidate` lowers `cost`: every hit from it to the next checkpoint
         resumes there instead of at the one before it."""
@@ -128,14 +137,29 @@ def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: flo
     # itself that way is never chosen.
     useful = [c for c in learned.positions if (c - start_pages) * learned.mass(c, end_pages) > one]
     best_cost, best_plan = math.inf, []
+    positions, prefix = learned.positions, learned.prefix
     for interval in sorted(supported, reverse=True):
+        num_grid = num_intermediate(num_pages, interval)
+        cost = one * num_grid + uniform * recompute_cost_pages(num_pages, interval)
+        if cost >= best_cost:
+            # The learned part only adds (a non-negative recompute, and `one` per added checkpoint):
+            # this interval cannot beat the best, and a tie goes to the larger one, already seen.
+            continue
         grid = list(range(start_pages + interval, end_pages, interval))
         chosen = [start_pages] + grid
-        cost = one * len(grid) + uniform * recompute_cost_pages(num_pages, interval)
-        if learned.positions:
-            cost += learned.cost(chosen)
-            on_grid = set(grid)
-            heap = [(-learned.saving(chosen, c, end_pages), c) for c in useful if c not in on_grid]
+        if positions:
+            cost += learned.grid_cost(start_pages, interval)
+            # Each candidate's saving against the grid alone, by arithmetic: the grid point below it,
+            # the next one (or the end), and the mass between (`_PointMass.saving`'s same terms).
+            heap = []
+            for c in useful:
+                offset = (c - start_pages) % interval
+                if not offset:
+                    continue  # on the grid
+                below = c - offset
+                nxt = min(below + interval, end_pages)
+                mass = prefix[bisect_left(positions, nxt)] - prefix[bisect_left(positions, c)]
+                heap.append((-(offset * mass), c))
             heapq.heapify(heap)
             while heap:
                 _bound, c = heapq.heappop(heap)
