@@ -203,6 +203,55 @@ def _ssd_only_checkpoint(tmp_path, pools, clock):
     return cache, tokens, node, expected
 
 
+def test_a_terminal_checkpoint_is_homed_once_the_next_turn_extends_it(sglang_plugins, tmp_path):
+    """A terminal checkpoint keeps its device copy; it waits, without being looked at every step, for
+    the tree event that makes it historical (a later turn's insert gives its node a child), and is
+    homed to SSD alone the step after. Before, `home_historical` looked at every terminal checkpoint on
+    SSD on every scheduler step."""
+    pools = build_pools(1024, 8)
+    cache = _ssd_cache(tmp_path, pools, ManualClock(1.0))
+    tier, driver = cache.histate.ssd_tier, Driver(cache, pools)
+    tokens = list(range(500, 500 + 16 * PAGE))
+    driver.serve(tokens[:8 * PAGE], [4 * PAGE, 8 * PAGE])
+    drain_backups(cache)
+    terminal = _node_at(cache, tokens[:8 * PAGE])
+    assert core_of(terminal).ckpt_mask & (GPU_BIT | SSD_BIT) == GPU_BIT | SSD_BIT
+    assert id(core_of(terminal)) in tier.homing
+    looked_at = []
+    retire = cache.retire_state_copies
+    cache.retire_state_copies = lambda sg: (looked_at.append(sg.id), retire(sg))[1]
+
+    class Walked(dict):
+        """The candidates, counting every walk over all of them (the per-step scan this replaced)."""
+        walks = 0
+
+        def items(self):
+            Walked.walks += 1
+            return super().items()
+
+        def values(self):
+            Walked.walks += 1
+            return super().values()
+
+        def __iter__(self):
+            Walked.walks += 1
+            return super().__iter__()
+
+    tier.homing = Walked(tier.homing)
+    cache.check_hicache_events()  # idle steps: nothing is due
+    cache.check_hicache_events()
+    # (a historical state still held by its backup's DMA may be looked at again: that is the retry)
+    assert Walked.walks == 0 and id(core_of(terminal)) in tier.homing
+    assert id(core_of(terminal)) not in tier._homing_due and terminal.id not in looked_at
+    driver.serve(tokens, [16 * PAGE])  # the next turn extends it: its node gets a child
+    drain_backups(cache)
+    cache.check_hicache_events()
+    assert core_of(terminal).ckpt_mask == SSD_BIT and terminal.id in looked_at
+    assert id(core_of(terminal)) not in tier.homing
+    cache.sanity_check()
+    cache.histate.victims.check_offered()
+
+
 def test_ssd_only_checkpoint_is_restored_off_the_scheduler_thread(sglang_plugins, tmp_path):
     """Matches (every waiting request, every round) never touch the disk; the scheduler's admission
     check (`check_prefetch_progress`) starts one read on an I/O thread and holds the request until it

@@ -178,7 +178,7 @@ OVERRIDES: tuple = (
     HookPoint('sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore._update_evictable_leaf_sets',
               'override', 'HiStateTreeCore', 'srt/mem_cache/unified_cache/unified_tree_core.py:1592',
               ('self', 'node'),
-              "the victim heaps' change feed"),
+              "the victim heaps' change feed; a node gaining a child makes its SSD checkpoint historical"),
     HookPoint('sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.commit_load_back',
               'override', 'HiStateTreeCore', 'srt/mem_cache/unified_cache/unified_tree_core.py:2694',
               ('self', 'node_id', 'device_indices', 'kv_xfer', 'comp_xfers'),

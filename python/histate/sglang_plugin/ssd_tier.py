@@ -172,6 +172,10 @@ class SsdTier:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="histate-ssd-restore")
         self.agreed_used_bytes = 0
         self.homing: dict = {}  # id -> CoreNode whose faster state copies may go once it is historical
+        # The candidates `home_historical` looks at next step: new ones, those a tree event touched
+        # (`on_tree_change`) and those held last step. A terminal checkpoint waits for the event that
+        # gives its node a child instead of being looked at every step.
+        self._homing_due: dict = {}
         # Page hashes of the states whose queued backups L3 admits (`l3_admits_state`): the scheduler
         # thread counts them in `_l3_marks` and publishes the keys as a frozenset the backup thread reads.
         self._l3_marks: dict = {}
@@ -489,6 +493,7 @@ class SsdTier:
         """SGLang deleted `node`: its SSD objects become orphans, ranked by the score they had."""
         hashes = tuple(node.sg.hash_value or ())
         self.homing.pop(id(node), None)
+        self._homing_due.pop(id(node), None)
         self.demoting.pop(id(node), None)
         self._demote_retry_at.pop(id(node), None)
         if node.ssd_kv or node.ssd_state:
@@ -510,6 +515,7 @@ class SsdTier:
         self._abandoned = []
         self.candidates.clear()
         self.homing.clear()
+        self._homing_due.clear()
         self.demoting.clear()
         self._demote_retry_at.clear()
         for node in nodes:
@@ -588,28 +594,41 @@ class SsdTier:
         historical (`home_historical`)."""
         if node.ssd_state:
             self.homing[id(node)] = node
+            self._homing_due[id(node)] = node
+
+    def on_tree_change(self, node: CoreNode) -> None:
+        """SGLang's tree core updated `node`'s leaf status (an insert gave it a child, a lock went, a
+        split, a removal below): a waiting homing candidate is looked at again next step."""
+        if id(node) in self.homing:
+            self._homing_due[id(node)] = node
 
     def home_historical(self) -> int:
         """Tombstone the device and host copies of historical checkpoints whose SSD copy is
         acknowledged and that nothing holds (locks, DMA in flight). Scheduler thread, once per step;
-        every input is agreed (SSD acks, the tree). Returns how many copies went."""
-        done, dropped = [], 0
-        for key, node in self.homing.items():
+        every input is agreed (SSD acks, the tree). Returns how many copies went.
+
+        Only the candidates due this step are looked at (`_homing_due`): a terminal checkpoint stays
+        a candidate without being looked at until a tree event on its node; one held by a lock, a DMA
+        or a live session is looked at again every step, as before (those are the requests and sessions
+        in flight, not every terminal checkpoint on SSD)."""
+        due, self._homing_due = self._homing_due, {}
+        dropped = 0
+        for key, node in due.items():
             if not node.is_alive or not node.ssd_state:
-                done.append(key)
+                self.homing.pop(key, None)
                 continue
             if not node.sg.children:
                 continue  # still a terminal checkpoint: its device copy serves the next turn
             if node.sg.component_data[MAMBA].session_ref > 0:
-                continue  # a live session resumes here (--enable-session-radix-cache): kept while referenced
+                self._homing_due[key] = node  # a live session resumes here: kept while referenced
+                continue
             result = self.cache.retire_state_copies(node.sg)
             if result is None:
-                continue  # held; try again next step
+                self._homing_due[key] = node  # held; try again next step
+                continue
             dropped += result
-            done.append(key)
-            self.runtime.victims.touch(node)
-        for key in done:
             self.homing.pop(key, None)
+            self.runtime.victims.touch(node)
         if dropped:
             self.runtime.metrics.record_homed(dropped)
         return dropped

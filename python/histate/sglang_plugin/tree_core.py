@@ -5,7 +5,8 @@ cores) and selected per cache through `CacheInitParams.tree_core_backend`. It is
 `UnifiedTreeCore` plus notifications to the cache's `HiStateRuntime`; tree semantics are untouched:
   * every evictable-leaf-set update (insert, split, lock release, eviction, demote) and every
     duplicate-tracking update (the D->H / H->D acknowledgements that clear DMA marks): the node may have
-    become, stopped being or changed eviction unit (`TierVictims.on_change`);
+    become, stopped being or changed eviction unit (`TierVictims.on_change`); a leaf-set update may also
+    have made an SSD-homing candidate historical (`SsdTier.on_tree_change`);
   * a state materialised on the device (load-back): a new unit;
   * a node unlinked (`TierVictims.on_removed`, and the SSD tier forgets or orphans its objects);
   * reset.
@@ -29,7 +30,10 @@ class HiStateTreeCore(UnifiedTreeCore):
     def _update_evictable_leaf_sets(self, node: Any) -> None:
         super()._update_evictable_leaf_sets(node)
         if self.histate is not None:
-            self.histate.victims.on_change(core_of(node))
+            core = core_of(node)
+            self.histate.victims.on_change(core)
+            if self.histate.ssd_tier is not None:
+                self.histate.ssd_tier.on_tree_change(core)
 
     def _update_duplicate_tracking(self, node: Any) -> None:
         super()._update_duplicate_tracking(node)
