@@ -445,10 +445,10 @@ def test_objects_from_before_a_restart_are_reclaimable(sglang_plugins, tmp_path,
 
 
 def test_the_store_is_never_handed_orphans_already_gone(sglang_plugins, tmp_path, monkeypatch):
-    """The store's capacity callback reads a snapshot of the orphans that the scheduler thread refreshes
-    once per step; objects removed since (an earlier capacity round, the trim) are still in it. Handed
-    those, the store freed nothing and the write failed no_capacity with orphans left (1 in ~7 runs of
-    the restart test above, on SGLang's backup thread)."""
+    """The store's capacity callback runs on SGLang's backup thread. Objects an earlier capacity round
+    removed stay in the orphans until the trim drops their group; handed those, the store freed nothing
+    and the write failed no_capacity with orphans left (1 in ~7 runs of the restart test above, when
+    the callback read a per-step snapshot)."""
     pools = build_pools(1024, 32)
     first = _small_ssd_cache(tmp_path, pools, monkeypatch)
     _fill(first, pools, 100_000, 100, until_used_share=0.8)
@@ -456,14 +456,17 @@ def test_the_store_is_never_handed_orphans_already_gone(sglang_plugins, tmp_path
     second = _small_ssd_cache(tmp_path, build_pools(1024, 32), monkeypatch)
     tier = second.histate.ssd_tier
     store = tier.backend.store
-    stale = [key for key, _ in tier.orphans.snapshot[:4]]
+    first_four = tier.orphans.in_order()[:4]
+    need = sum(size_bytes for _, size_bytes in first_four)
+    stale = tier.pick_ssd_victims(need)  # what the first round takes ...
+    assert stale == [key for key, _ in first_four]
     for key in stale:
-        store.delete(key)  # as a capacity round would: the snapshot still names them
-    sizes = dict(tier.orphans.snapshot)
-    assert set(stale) <= sizes.keys()
-    need = sum(sizes[key] for key in stale)
+        store.delete(key)  # ... and removes; the orphans still list them
+    assert set(stale) <= tier.orphans.keys()
+    sizes = dict(tier.orphans.in_order())
     picked = tier.pick_ssd_victims(need)
-    assert all(store.exists(key) for key in picked) and sum(sizes[key] for key in picked) >= need
+    assert picked and not set(picked) & set(stale) and all(store.exists(key) for key in picked)
+    assert sum(sizes[key] for key in picked) >= need
 
 
 def test_a_flush_turns_every_ssd_object_into_an_orphan(sglang_plugins, tmp_path, monkeypatch):
@@ -616,8 +619,7 @@ def test_the_trim_takes_orphans_and_live_units_lowest_score_first(sglang_plugins
 
     # The trim counts nominal sizes (KV bytes per token, checkpoint bytes), which every rank computes alike.
     config = cache.histate.core_config
-    tier.orphans.refresh_snapshot()
-    nominal = sum(size for _, size in tier.orphans.snapshot) + sum(
+    nominal = sum(size for _, size in tier.orphans.in_order()) + sum(
         core_of(sg).ssd_kv * len(sg.key) * config.kv_bytes_per_token + core_of(sg).ssd_state * tier.checkpoint_bytes
         for sg in cache.tree_core._node_arena.values() if sg.parent is not None)
     capacity = tier.backend.store.config.capacity_bytes

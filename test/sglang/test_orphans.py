@@ -10,8 +10,7 @@ def test_groups_go_lowest_score_first_and_restart_objects_before_all():
     orphans.add(["mamba/b"], 544, 3.0)
     orphans.add(["kv/old"], 7, UNKNOWN_SCORE)
     assert len(orphans) == 4 and orphans.lowest_score() == UNKNOWN_SCORE
-    orphans.refresh_snapshot()
-    assert orphans.snapshot == (("kv/old", 7), ("mamba/b", 544), ("kv/a", 100), ("kv/b", 100))
+    assert orphans.in_order() == [("kv/old", 7), ("mamba/b", 544), ("kv/a", 100), ("kv/b", 100)]
     assert orphans.pop_lowest() == (("kv/old",), 7)
     assert orphans.pop_lowest() == (("mamba/b",), 544)
     assert orphans.pop_lowest() == (("kv/a", "kv/b"), 100)
@@ -24,8 +23,8 @@ def test_a_claimed_key_is_never_handed_out():
     orphans.add(["kv/c"], 100, 2.0)
     orphans.claim(["kv/a"])  # a live node wrote it again
     assert "kv/a" not in orphans and orphans.keys() == {"kv/b", "kv/c"}
-    orphans.refresh_snapshot()
-    assert [k for k, _ in orphans.snapshot] == ["kv/b", "kv/c"]
+    assert [k for k, _ in orphans.in_order()] == ["kv/b", "kv/c"]
+    assert orphans.lowest_keys(1000, lambda key: True) == ["kv/b", "kv/c"]  # the store's thread: same
     assert orphans.pop_lowest() == (("kv/b",), 100)
     orphans.claim(["kv/c"])
     assert orphans.lowest_score() is None and orphans.pop_lowest() is None  # an emptied group is skipped
@@ -81,3 +80,30 @@ def test_rank_free_ids_ignore_nothing_but_the_rank_suffix():
 
     assert rank_free_id("kv/abc") == rank_free_id("kv/abc") > 0
     assert rank_free_id("kv/abc") != rank_free_id("mamba/abc")
+
+
+def test_the_store_threads_walk_takes_the_lowest_in_order_without_sorting():
+    """`lowest_keys` (SGLang's backup thread) walks the heap through its positions; it must hand out
+    exactly the prefix of the deletion order (`in_order`, a plain sort) that covers the bytes asked,
+    skipping claimed keys and those `keep` refuses."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        orphans, refused = OrphanObjects(), set()
+        for g in range(rng.randrange(1, 40)):
+            keys = [f"kv/{g}-{i}" for i in range(rng.randrange(1, 4))]
+            orphans.add(keys, rng.choice([10, 100]), rng.choice([UNKNOWN_SCORE, rng.random(), 0.5]))
+            if rng.random() < 0.2:
+                orphans.claim(keys[:1])
+            if rng.random() < 0.2:
+                refused.add(keys[-1])
+        need = rng.randrange(1, 2000)
+        want, covered = [], 0
+        for key, size_bytes in orphans.in_order():
+            if covered >= need:
+                break
+            if key not in refused:
+                want.append(key)
+                covered += size_bytes
+        assert orphans.lowest_keys(need, lambda key: key not in refused) == want

@@ -346,7 +346,7 @@ def test_objects_found_at_a_restart_are_orphans_only_where_every_rank_has_them(s
         assert len(tier.orphans) == 2
         assert {_rank_free(k) for k in tier.orphans.keys()} == {"kv/page-b", "kv/page-c"}
         assert {_rank_free(k) for k in tier.backend.store.keys()} == {"kv/page-b", "kv/page-c"}
-    assert [_rank_free(k) for k, _ in tiers[0].orphans.snapshot] == [_rank_free(k) for k, _ in tiers[1].orphans.snapshot]
+    assert [_rank_free(k) for k, _ in tiers[0].orphans.in_order()] == [_rank_free(k) for k, _ in tiers[1].orphans.in_order()]
 
     deleted = {0: [], 1: []}
     for r, tier in enumerate(tiers):

@@ -15,6 +15,7 @@ import hashlib
 import heapq
 import itertools
 import secrets
+import threading
 from typing import Callable, Iterable, Optional
 
 UNKNOWN_SCORE = float("-inf")
@@ -22,11 +23,17 @@ UNKNOWN_SCORE = float("-inf")
 
 
 class OrphanObjects:
+    """The scheduler thread adds, claims and deletes orphans; SGLang's backup thread (the store's
+    `on_capacity_needed`) reads the lowest of them at the moment it needs room (`lowest_keys`). One lock
+    makes both see the same set: a claim takes effect for the store's thread at once, and nothing is
+    re-sorted per step (the store's thread walks the heap in order, O(k log k) for the k groups it
+    takes)."""
+
     def __init__(self) -> None:
         self._heap: list = []  # (score, seq, keys, bytes per key)
         self._owner: dict = {}  # key -> seq of the group that owns it
         self._seq = itertools.count()
-        self.snapshot: tuple = ()  # (key, bytes), lowest score first, for the store's thread (refresh_snapshot)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._owner)
@@ -35,51 +42,80 @@ class OrphanObjects:
         return key in self._owner
 
     def keys(self) -> set:
-        return set(self._owner)
+        with self._lock:
+            return set(self._owner)
 
     def add(self, keys: Iterable[str], size_bytes: int, score: float) -> None:
         """One node's objects (`size_bytes` each), ranked by `score` (lower goes first)."""
         keys = tuple(keys)
         if not keys:
             return
-        seq = next(self._seq)
-        for key in keys:
-            self._owner[key] = seq
-        heapq.heappush(self._heap, (score, seq, keys, size_bytes))
+        with self._lock:
+            seq = next(self._seq)
+            for key in keys:
+                self._owner[key] = seq
+            heapq.heappush(self._heap, (score, seq, keys, size_bytes))
 
     def claim(self, keys: Iterable[str]) -> None:
         """A live node holds these keys again: they are no longer orphans."""
-        for key in keys:
-            self._owner.pop(key, None)
+        with self._lock:
+            for key in keys:
+                self._owner.pop(key, None)
 
     def lowest_score(self) -> Optional[float]:
-        self._drop_empty()
-        return self._heap[0][0] if self._heap else None
+        with self._lock:
+            self._drop_empty()
+            return self._heap[0][0] if self._heap else None
 
     def pop_lowest(self) -> Optional[tuple]:
         """(keys still orphaned, bytes each) of the lowest-ranked group, or None."""
-        self._drop_empty()
-        if not self._heap:
-            return None
-        _, seq, keys, size_bytes = heapq.heappop(self._heap)
-        owned = tuple(k for k in keys if self._owner.get(k) == seq)
-        for key in owned:
-            del self._owner[key]
-        return owned, size_bytes
+        with self._lock:
+            self._drop_empty()
+            if not self._heap:
+                return None
+            _, seq, keys, size_bytes = heapq.heappop(self._heap)
+            owned = tuple(k for k in keys if self._owner.get(k) == seq)
+            for key in owned:
+                del self._owner[key]
+            return owned, size_bytes
+
+    def lowest_keys(self, bytes_needed: int, keep: Callable[[str], bool]) -> list:
+        """Orphan keys, lowest score first, that `keep` accepts, until they cover `bytes_needed`; nothing
+        is removed (the caller deletes them, and `pop_lowest` drops the emptied groups later). Any
+        thread. The heap is walked in order through a second heap of its positions, so only the
+        groups taken (and their heap children) are looked at."""
+        keys, covered = [], 0
+        with self._lock:
+            heap, owner = self._heap, self._owner
+            frontier = [(heap[0], 0)] if heap else []
+            while frontier and covered < bytes_needed:
+                (_, seq, group, size_bytes), i = heapq.heappop(frontier)
+                for child in (2 * i + 1, 2 * i + 2):
+                    if child < len(heap):
+                        heapq.heappush(frontier, (heap[child], child))
+                for key in group:
+                    if covered >= bytes_needed:
+                        break
+                    if owner.get(key) == seq and keep(key):
+                        keys.append(key)
+                        covered += size_bytes
+        return keys
+
+    def in_order(self) -> list:
+        """(key, bytes) of every orphan in deletion order (diagnostics and tests: sorts everything)."""
+        with self._lock:
+            return [(k, size_bytes) for _, seq, keys, size_bytes in sorted(self._heap)
+                    for k in keys if self._owner.get(k) == seq]
 
     def _drop_empty(self) -> None:
+        """(lock held)"""
         while self._heap and not any(self._owner.get(k) == self._heap[0][1] for k in self._heap[0][2]):
             heapq.heappop(self._heap)
 
-    def refresh_snapshot(self) -> None:
-        """(key, bytes) in deletion order, for `SsdTier.pick_ssd_victims` (another thread reads it)."""
-        self.snapshot = tuple((k, size_bytes) for _, seq, keys, size_bytes in sorted(self._heap)
-                              for k in keys if self._owner.get(k) == seq)
-
     def clear(self) -> None:
-        self._heap.clear()
-        self._owner.clear()
-        self.snapshot = ()
+        with self._lock:
+            self._heap.clear()
+            self._owner.clear()
 
 
 def rank_free_id(name: str) -> int:

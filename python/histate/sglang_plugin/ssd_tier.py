@@ -36,8 +36,8 @@ any rank (agreed through the per-step all-reduce, clock.py) passes `HIGH_WATERMA
 lowest scores go first, over the live SSD units (the core's eq. 7 over the SSD bits, `TierVictims`
 tier SSD) and the orphans together (objects from before a restart first), down to `LOW_WATERMARK`,
 counted in nominal sizes every rank computes alike. The store's own `on_capacity_needed` (SGLang's
-backup thread, between two steps) gets `pick_ssd_victims`: orphan keys only, from a snapshot, so it
-never reads the tree off its thread.
+backup thread, between two steps) gets `pick_ssd_victims`: orphan keys only (read under the orphans'
+own lock, orphans.py), so it never reads the tree off its thread.
 
 Asymmetric tiering (paper §3.1): a historical checkpoint (its node has a child: a later position of
 the trajectory holds state) lives on SSD alone. Once its SSD copy is acknowledged and nothing uses
@@ -160,7 +160,6 @@ class SsdTier:
         self.kv_bytes_per_token = config.kv_bytes_per_token
         self.checkpoint_bytes = config.checkpoint_size_bytes
         self.orphans = OrphanObjects()
-        self._orphans_changed = False  # the snapshot pick_ssd_victims reads is refreshed once per step
         self.admitted: frozenset = frozenset()  # page hashes whose KV the backend writes (`demote`)
         self.demoting: dict = {}  # id -> CoreNode whose KV backup to SSD is in flight
         self._demote_steps = 0  # `demote` calls (one per scheduler step, on every rank)
@@ -255,7 +254,6 @@ class SsdTier:
         if strays:
             logger.info("HiState SSD: %d objects found at attach are not on every rank; deleted", len(strays))
             store.delete_many(strays)
-        self.orphans.refresh_snapshot()
 
     # --- agreed events: storage backups ------------------------------------------------------------
 
@@ -366,8 +364,6 @@ class SsdTier:
                 # (each rank's L3 put results are its own; a bundle recorded but not whole in L3 only
                 # costs a remove of what is missing, and reads as a miss as before).
                 self._l3_record(backup.l3_path)
-        self.orphans.refresh_snapshot()  # claims take effect for the store's thread at once
-        self._orphans_changed = False
 
     def on_backup_acked(self, operation_id: Any) -> None:
         """One acknowledgement (tests, single rank): `confirm_backups` of it."""
@@ -476,7 +472,6 @@ class SsdTier:
             if path[-1] in self.l3_ledger or any(key not in self.orphans for key in self._kv_keys(page_hashes)):
                 self._l3_record(path)
         self.orphans.claim(self._kv_keys(page_hashes))
-        self._orphans_changed = True
         stack = list(anchor.children.values())
         while stack:
             sg = stack.pop()
@@ -520,14 +515,12 @@ class SsdTier:
         self._demote_retry_at.clear()
         for node in nodes:
             self.on_node_removed(node)
-        self.orphans.refresh_snapshot()
 
     def _orphan_group(self, kv_hashes: tuple, state_hashes: tuple, score: float) -> None:
         page_bytes = self.kv_bytes_per_token * self.cache.page_size
         self.orphans.add(self._kv_keys(kv_hashes), page_bytes, score)
         if state_hashes:
             self.orphans.add((self._state_key(state_hashes),), self.checkpoint_bytes, score)
-        self._orphans_changed = True
 
     # --- the SSD as the host's victim tier for KV ---------------------------------------------------
 
@@ -646,14 +639,6 @@ class SsdTier:
         eq. 7 score first over the live SSD units and the orphans (frozen at the score their node had
         when SGLang deleted it; objects from before a restart first). Returns the nominal bytes freed.
         Scheduler thread."""
-        try:
-            return self._trim()
-        finally:
-            if self._orphans_changed:
-                self.orphans.refresh_snapshot()
-                self._orphans_changed = False
-
-    def _trim(self) -> int:
         capacity = self.capacity_bytes
         if self.agreed_used_bytes <= HIGH_WATERMARK * capacity:
             return 0
@@ -680,7 +665,6 @@ class SsdTier:
                 for key in keys:
                     store.delete(key)
                 freed += size_bytes * len(keys)
-                self._orphans_changed = True
         finally:
             victims.end_walk()
         return freed
@@ -705,18 +689,11 @@ class SsdTier:
     def pick_ssd_victims(self, bytes_needed: int) -> list:
         """The store's `on_capacity_needed` (docs/storage.md): orphans lowest score first, never a
         live unit (ranking reads the tree, which only the scheduler thread may). Runs in SGLang's
-        backup thread; reads the snapshot `trim` refreshes, which can name objects removed since (by
-        this callback's earlier calls or the trim): those free nothing, so they are skipped (before,
-        a put whose victims were all gone failed `no_capacity` with orphans left to reclaim)."""
-        store, keys, covered = self.backend.store, [], 0
-        for key, size_bytes in self.orphans.snapshot:
-            if covered >= bytes_needed:
-                break
-            if not store.exists(key):
-                continue
-            keys.append(key)
-            covered += size_bytes
-        return keys
+        backup thread, on the orphans as they are now (their lock). An orphan the store no longer
+        holds (this callback's earlier round removed it, and the trim has not yet dropped its group)
+        frees nothing, so it is skipped (before, a put whose victims were all gone failed
+        `no_capacity` with orphans left to reclaim)."""
+        return self.orphans.lowest_keys(bytes_needed, self.backend.store.exists)
 
     # --- restores ----------------------------------------------------------------------------------
 
