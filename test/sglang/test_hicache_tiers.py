@@ -582,6 +582,40 @@ def test_the_ssd_takes_the_kv_the_host_evicts_and_serves_it_back(sglang_plugins,
     cache.sanity_check()
 
 
+def test_demotion_does_not_walk_a_full_host_again_while_nothing_changed(sglang_plugins, tmp_path, monkeypatch):
+    """While the host stays full, `demote` (once per scheduler step) chose the same bundles from the
+    host heap every step, all of them already demoting or SSD-backed. It now walks only after the
+    host heap, the pools' free room or the running demotions changed."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    from histate.sglang_plugin.ssd_tier import DEMOTE_MARGIN
+    from sglang_cpu.hicache import TieredDriver
+
+    pools = build_pools(1024, 32)
+    cache = _small_ssd_cache(tmp_path, pools, monkeypatch, size="16MiB")
+    driver = TieredDriver(cache, pools)
+    for i in range(8):
+        start = 100_000 + 10_000 * i
+        driver.serve(list(range(start, start + 16 * PAGE)), [8 * PAGE, 16 * PAGE])
+    drain_backups(cache)
+    kv_pool = cache.host_pool_group.get_pool(PoolName.KV)
+    assert kv_pool.available_size() <= DEMOTE_MARGIN * kv_pool.size  # full: every step would walk
+    walks, peek = [], cache.histate.victims.peek
+    monkeypatch.setattr(cache.histate.victims, "peek", lambda *a, **k: (walks.append(1), peek(*a, **k))[1])
+    for _ in range(3):  # the last demotions finish
+        drain_backups(cache)
+    settled = len(walks)
+    for _ in range(20):
+        cache.check_hicache_events()
+    assert len(walks) == settled  # idle steps: no walk
+    driver.serve(list(range(900_000, 900_000 + 16 * PAGE)), [8 * PAGE, 16 * PAGE])
+    cache.check_hicache_events()
+    assert len(walks) > settled  # a new prompt changed the host heap: walked again
+    drain_backups(cache)
+    _check_ssd_ledger(cache)
+    cache.sanity_check()
+
+
 def test_the_trim_takes_orphans_and_live_units_lowest_score_first(sglang_plugins, tmp_path, monkeypatch):
     """Orphans keep the eq. 7 score their node had; the trim deletes, among them and the live SSD
     units, the lowest first: everything it took ranks at or below everything it left."""

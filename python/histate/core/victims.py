@@ -73,15 +73,17 @@ class DeferredReoffers:
 class VictimHeap:
     """The candidates of one pool (a tier, or a (tier, kind) pair under a static split)."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "changes")
 
     def __init__(self) -> None:
         self.entries: list = []  # (score lower bound, seq, node, unit, tier index, node version)
+        self.changes = 0  # pushes, pops and compactions so far: equal counts, the same heap
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def push(self, node, unit: UnitKind, tier_index: int, bound: float) -> None:
+        self.changes += 1
         heapq.heappush(self.entries, (bound, next(_SEQ), node, unit, tier_index, node.version))
 
     def pop_lowest(self, rank: Rank, accept: Optional[Accept] = None) -> Optional[tuple]:
@@ -90,6 +92,13 @@ class VictimHeap:
         Stale entries are dropped; entries `rank` refuses (pinned) are dropped and their node parked;
         entries `accept` refuses are set aside and put back, so another walk can still take them.
         """
+        entry = self._pop_entry(rank, accept)
+        return None if entry is None else (entry[2], entry[3], entry[4], entry[0])
+
+    def _pop_entry(self, rank: Rank, accept: Optional[Accept]) -> Optional[tuple]:
+        """`pop_lowest`'s work; returns the chosen heap entry itself (score, seq, node, unit, tier
+        index, version), which `peek_lowest` puts back exactly where it was."""
+        self.changes += 1
         entries = self.entries
         skipped = []
         chosen = None
@@ -100,8 +109,7 @@ class VictimHeap:
                 heapq.heappop(entries)
                 continue
             if seq == rescored_seq:
-                heapq.heappop(entries)
-                chosen = (node, unit, t, bound)
+                chosen = heapq.heappop(entries)
                 break
             if accept is not None and not accept(node, unit, t):
                 skipped.append(heapq.heappop(entries))
@@ -116,7 +124,7 @@ class VictimHeap:
                 heapq.heapreplace(entries, (score, rescored_seq, node, unit, t, version))
                 continue
             heapq.heappop(entries)
-            chosen = (node, unit, t, score)
+            chosen = (score, seq, node, unit, t, version)
             break
         for entry in skipped:
             heapq.heappush(entries, entry)
@@ -124,18 +132,20 @@ class VictimHeap:
 
     def peek_lowest(self, rank: Rank, accept: Optional[Accept], enough: Callable[[object, UnitKind], bool]) -> list:
         """(node, unit) of the lowest-ranked units in rank order, up to the first one `enough` accepts;
-        all stay on the heap, at their current score (a look ahead of the next evictions)."""
+        all stay on the heap, at their current score and in their place among equal scores (a look
+        ahead of the next evictions must not change them: put back behind its ties, a unit a look ahead
+        saw every step was never evicted while newer equal-scored units were)."""
         seen = []
         while True:
-            victim = self.pop_lowest(rank, accept)
-            if victim is None:
+            entry = self._pop_entry(rank, accept)
+            if entry is None:
                 break
-            seen.append(victim)
-            if enough(victim[0], victim[1]):
+            seen.append(entry)
+            if enough(entry[2], entry[3]):
                 break
-        for node, unit, tier_index, score in seen:
-            self.push(node, unit, tier_index, score)
-        return [(node, unit) for node, unit, _, _ in seen]
+        for entry in seen:
+            heapq.heappush(self.entries, entry)
+        return [(entry[2], entry[3]) for entry in seen]
 
     def live_units(self) -> set:
         """(id(node), unit, tier index) of every entry that is not stale (for invariant checks)."""
@@ -143,6 +153,7 @@ class VictimHeap:
 
     def compact(self) -> None:
         """Drop stale entries in place (callers alias the list); live ones keep their place and score."""
+        self.changes += 1
         self.entries[:] = [e for e in self.entries if e[2].is_alive and e[2].version == e[5]]
         heapq.heapify(self.entries)
 

@@ -164,6 +164,10 @@ class SsdTier:
         self.demoting: dict = {}  # id -> CoreNode whose KV backup to SSD is in flight
         self._demote_steps = 0  # `demote` calls (one per scheduler step, on every rank)
         self._demote_retry_at: dict = {}  # id -> step from which a node whose demotion failed is tried again
+        # What the last `demote` walk saw (the host heap's change count after it, the pools' free room,
+        # the demotions running): while all of it stays the same, the next walk would choose the same
+        # bundles, all already demoting or backed up, so it is skipped (issue 29: no O(n) per step).
+        self._demote_seen: Optional[tuple] = None
         self.backups: dict = {}  # SGLang storage-backup operation id -> _Backup
         self.candidates: dict = {}  # request handle -> CoreNode of its deepest SSD-only checkpoint
         self.restores: dict = {}  # request handle -> _Restore
@@ -513,6 +517,7 @@ class SsdTier:
         self._homing_due.clear()
         self.demoting.clear()
         self._demote_retry_at.clear()
+        self._demote_seen = None
         for node in nodes:
             self.on_node_removed(node)
 
@@ -547,12 +552,20 @@ class SsdTier:
             return 0
         self._demote_steps += 1
         retry_at = self._demote_retry_at
+        kv_pool, state_pool = group.get_pool(PoolName.KV), group.get_pool(PoolName.MAMBA)
+        host_heap = self.runtime.victims.heaps[Tier.CPU]
+
+        def observed() -> tuple:
+            return (host_heap.changes, kv_pool.available_size() if kv_pool is not None else None,
+                    state_pool.available_size() if state_pool is not None else None, len(self.demoting))
+
+        # (a failed demotion becoming due again changes the choice too, at the step it becomes due)
+        if self._demote_seen == observed() and self._demote_steps not in retry_at.values():
+            return 0
         leaves = []
-        kv_pool = group.get_pool(PoolName.KV)
         if kv_pool is not None and kv_pool.available_size() <= DEMOTE_MARGIN * kv_pool.size:
             leaves += [leaf for leaf, _ in self.runtime.victims.peek(
                 Tier.CPU, is_bundle, _covering(DEMOTE_MARGIN * kv_pool.size, lambda node: len(node.keys)))]
-        state_pool = group.get_pool(PoolName.MAMBA)
         if state_pool is not None and state_pool.available_size() <= STATE_DEMOTE_MARGIN * state_pool.size:
             leaves += [node for node, unit in self.runtime.victims.peek(
                 Tier.CPU, takes_host_state, _covering(STATE_DEMOTE_MARGIN * state_pool.size, lambda node: 1))
@@ -578,6 +591,7 @@ class SsdTier:
             else:  # SGLang queued nothing (storage disabled, or not backed up to the host after all)
                 self.demoting.pop(id(node), None)
                 self.admitted = self.admitted - hashes
+        self._demote_seen = observed()
         return started
 
     # --- asymmetric tiering: historical checkpoints live on SSD -----------------------------------
