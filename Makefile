@@ -71,6 +71,7 @@ bench: venv  ## run every benchmark and print tables (numbers go to docs/results
 	$(VPY) benchmark/ablation.py
 	$(VPY) benchmark/sim_substrate.py
 	$(VPY) benchmark/sglang_ops.py
+	$(VPY) benchmark/sglang_step.py
 
 golden: venv  ## regenerate test/core/golden_core.json and test/sim/golden_replay.json (the only writer: tests never rewrite them); prints what moved -- review `git diff` before committing
 	$(VPY) test/update_golden.py
