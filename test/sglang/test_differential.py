@@ -128,7 +128,7 @@ def _plugin_serve(rig: GdnRig, req, check_states=lambda: None) -> list:
     cache = rig.cache
     req.init_next_round_input(cache)  # enqueue
     while not cache.check_prefetch_progress(req.cache_request_handle):
-        pass
+        cache.check_hicache_events()  # the scheduler's steps go on; each agrees the SSD reads in flight
     ends, chunked, waiting = [], None, [req]
     while waiting or chunked is not None:
         if chunked is not None:

@@ -281,6 +281,7 @@ def test_ssd_only_checkpoint_is_restored_off_the_scheduler_thread(sglang_plugins
     while not cache.check_prefetch_progress(req.cache_request_handle):  # held while the read runs
         rounds += 1
         time.sleep(0.002)
+        cache.check_hicache_events()  # the scheduler's next step agrees the read (one all-reduce)
     assert rounds >= 1 and readers == ["histate-ssd-restore_0"]
     host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
     host_slot = int(node.component_data[2].host_value[0])
@@ -308,6 +309,38 @@ def test_ssd_only_checkpoint_is_restored_off_the_scheduler_thread(sglang_plugins
     cache.histate.victims.check_offered()
 
 
+def test_a_restore_is_agreed_by_the_per_step_all_reduce_alone(sglang_plugins, tmp_path, monkeypatch):
+    """A restore's (done, ok) rides on SGLang's per-step MIN all-reduce (as the clock does): polling a
+    waiting request issues no collective, and a step with a restore in flight issues as many as a step
+    without one. Before, every poll of every waiting request issued its own all-reduce."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    pools = build_pools(1024, 8)
+    cache, tokens, node, _ = _ssd_only_checkpoint(tmp_path, pools, ManualClock(1.0))
+    sizes, base = [], UnifiedRadixCache._all_reduce
+    monkeypatch.setattr(UnifiedRadixCache, "_all_reduce", lambda self, data, op: (sizes.append(len(data)), base(self, data, op))[1])
+    cache.check_hicache_events()
+    idle_step, sizes[:] = list(sizes), []
+    backend = cache.histate.ssd_tier.backend
+    gate, read_state = threading.Event(), backend.read_state
+    backend.read_state = lambda *a, **k: (gate.wait(10), read_state(*a, **k))[1]
+    req = _request(tokens[:6 * PAGE] + [1] * PAGE)
+    req.init_next_round_input(cache)
+    for _ in range(5):  # the admission loop polls; the read is held
+        assert not cache.check_prefetch_progress(req.cache_request_handle)
+    assert sizes == []  # no collective per poll
+    cache.check_hicache_events()
+    assert len(sizes) == len(idle_step)  # one step, the same collectives (the one with the clock is 2 longer)
+    assert not cache.check_prefetch_progress(req.cache_request_handle)  # agreed: not read yet
+    gate.set()
+    cache.histate.ssd_tier._reader.submit(lambda: None).result()  # the read ended
+    assert not cache.check_prefetch_progress(req.cache_request_handle)  # ... but is agreed only at a step
+    cache.check_hicache_events()
+    assert cache.check_prefetch_progress(req.cache_request_handle)
+    assert cache.histate.metrics.totals[("ssd_restores_total", "ok")] == 1
+    cache.sanity_check()
+
+
 def test_a_faulty_ssd_checkpoint_is_a_miss_and_leaves_the_tier(sglang_plugins, tmp_path):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
@@ -324,6 +357,7 @@ def test_a_faulty_ssd_checkpoint_is_a_miss_and_leaves_the_tier(sglang_plugins, t
     req.init_next_round_input(cache)
     while not cache.check_prefetch_progress(req.cache_request_handle):
         time.sleep(0.002)
+        cache.check_hicache_events()
     assert core_of(node).ckpt_mask == 0 and host_pool.available_size() == free_slots  # a miss; nothing leaked
     assert cache.histate.metrics.totals[("ssd_restores_total", "miss")] == 1
     req.init_next_round_input(cache)
@@ -503,6 +537,7 @@ def test_a_flush_while_a_request_waits_for_its_restore(sglang_plugins, tmp_path)
     while not cache.check_prefetch_progress(req.cache_request_handle):  # resumed: polls its admission hold
         assert time.monotonic() < deadline, "the request waits for a restore of a flushed tree"
         time.sleep(0.002)
+        cache.check_hicache_events()
     req.init_next_round_input(cache)
     assert req.prefix_len == 0  # the flushed tree reuses nothing
     host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)

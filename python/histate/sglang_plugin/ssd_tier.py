@@ -56,8 +56,9 @@ A request's match notes the deepest SSD checkpoint on its matched KV path (`note
 scheduler is about to admit the request it asks `check_prefetch_progress` (scheduler.py:4240-4246, the
 hook SGLang's own L3 prefetch uses to hold a request until its data is on the host), and HiState then
 starts reading that checkpoint into a host state slot on an I/O thread and holds the request. Once every
-rank's read finished (MIN all-reduce of done / ok, like SGLang's prefetch hit and completion counts:
-managers/cache_controller.py:1370-1378, hybrid_cache_controller.py:1495-1506 and 1926-1936), the state
+rank's read finished (MIN of each restore's done / ok, riding on SGLang's per-step all-reduce with the
+clock, tree_cache.py: one collective per step for all restores, as SGLang's `wait_complete` prefetch
+commits through its per-step ack drain, unified_radix_cache.py:2298-2301), the state
 is attached as the node's host copy, exactly where SGLang's PREFETCH commit puts one (components/
 mamba.py:974-1010), and the request's next match is an ordinary host hit that SGLang's load-back
 brings to the device (schedule_policy.py:1517, layer by layer on its load stream). A restore any rank
@@ -112,6 +113,7 @@ class _Restore:
     host_slot: Any
     unlock: Any  # DecLockRefParams of the lock held while the read runs
     read: Future
+    agreed: Optional[tuple] = None  # (done, ok) on every rank, from the last step's all-reduce
 
 
 def _host_chain(leaf: CoreNode) -> list:
@@ -736,13 +738,28 @@ class SsdTier:
                 return True
             self.restores[handle] = job
             return False
-        done = job.read.done()
-        done, ok = self._agree(done, done and job.read.exception() is None and bool(job.read.result()))
-        if not done:
-            return False
+        if job.agreed is None or not job.agreed[0]:
+            return False  # not yet read on every rank, as of the last step
         del self.restores[handle]
-        self._finish(job, ok)
+        self._finish(job, job.agreed[1])
         return True
+
+    def restore_flags(self) -> list:
+        """This rank's (done, ok) of every restore in flight, in start order (the same on every rank:
+        restores start and end on agreed inputs), for the per-step MIN all-reduce (tree_cache.py)."""
+        flags = []
+        for job in self.restores.values():
+            done = job.read.done()
+            flags += [int(done), int(done and job.read.exception() is None and bool(job.read.result()))]
+        return flags
+
+    def adopt_restore_flags(self, flags: list) -> None:
+        """The MIN over the ranks of `restore_flags`: a restore completes (`restore_ready`) once every
+        rank read it, ok only if every rank's read was. One collective per step for all of them, like
+        SGLang's own prefetch acknowledgements (its `wait_complete` prefetch commits through the
+        per-step ack drain: unified_radix_cache.py:2298-2301), instead of one per poll per request."""
+        for job, done, ok in zip(self.restores.values(), flags[0::2], flags[1::2]):
+            job.agreed = (bool(done), bool(ok))
 
     def _start(self, node: CoreNode) -> Optional[_Restore]:
         from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -763,13 +780,6 @@ class SsdTier:
         page_hash = sg.hash_value[-1]
         read = self._reader.submit(self.backend.read_state, page_hash, host_pool, int(slot[0]))
         return _Restore(node, slot, unlock, read)
-
-    def _agree(self, done: bool, ok: bool) -> tuple[bool, bool]:
-        import torch
-
-        flags = torch.tensor([int(done), int(ok)], dtype=torch.int64)
-        self.cache._all_reduce(flags, torch.distributed.ReduceOp.MIN)
-        return bool(flags[0]), bool(flags[1])
 
     def _finish(self, job: _Restore, ok: bool) -> None:
         cache, node = self.cache, job.node

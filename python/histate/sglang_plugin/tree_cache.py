@@ -156,8 +156,9 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     def _all_reduce(self, data: Any, tp_reduce_op: Any) -> None:
         """SGLang's per-step MIN all-reduce of HiCache ready counts (clock.py) carries HiState's
-        samples too: the clock, and the negated SSD usage (MIN of negatives: the largest usage of any
-        rank, which SSD trimming decides on). One collective, the same on every rank."""
+        samples too: the clock, the negated SSD usage (MIN of negatives: the largest usage of any
+        rank, which SSD trimming decides on) and each SSD restore's (done, ok). One collective, the
+        same on every rank (the restores in flight are the same on every rank, in the same order)."""
         if not self._hs_agreeing:
             super()._all_reduce(data, tp_reduce_op)
             return
@@ -166,13 +167,16 @@ class HiStateRadixCache(UnifiedRadixCache):
         self._hs_agreeing = False
         clock, tier = self.agreed_clock, self.histate.ssd_tier
         samples = [clock.sample_ms() if clock is not None else 0, -(tier.local_used_bytes() if tier is not None else 0)]
-        extended = torch.cat([data, torch.tensor(samples, dtype=data.dtype)])
+        restores = tier.restore_flags() if tier is not None else []
+        extended = torch.cat([data, torch.tensor(samples + restores, dtype=data.dtype)])
         super()._all_reduce(extended, tp_reduce_op)
-        data.copy_(extended[:-2])
+        base = len(data)
+        data.copy_(extended[:base])
         if clock is not None:
-            clock.adopt(int(extended[-2]))
+            clock.adopt(int(extended[base]))
         if tier is not None:
-            tier.adopt_agreed_usage(-int(extended[-1]))
+            tier.adopt_agreed_usage(-int(extended[base + 1]))
+            tier.adopt_restore_flags([int(x) for x in extended[base + 2:].tolist()])
 
     # --- the SSD tier's agreed events and restores (ssd_tier.py) ---------------------------------------
 
