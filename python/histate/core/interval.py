@@ -93,17 +93,10 @@ class _PointMass:
         """Mass at positions in [lo, hi)."""
         return self.prefix[bisect_left(self.positions, hi)] - self.prefix[bisect_left(self.positions, lo)]
 
-    def cost(self, checkpoints: Sequence[int]) -> float:
-        """sum of mass * (position - nearest checkpoint <= position); `checkpoints` sorted, first the start."""
-        total = 0.0
-        for i, pos in enumerate(self.positions):
-            total += (self.prefix[i + 1] - self.prefix[i]) * (pos - checkpoints[bisect_right(checkpoints, pos) - 1])
-        return total
-
     def grid_cost(self, start: int, interval: int) -> float:
-        """`cost` of the checkpoints start, start + interval, ... (every position lies past `start`):
-        the nearest one below a position is arithmetic, no search. Same terms, same order: the same
-        float as `cost`."""
+        """sum of mass * (position - nearest checkpoint <= position) for the checkpoints start,
+        start + interval, ... (every position lies past `start`, so the nearest one below is
+        arithmetic: no search)."""
         total, prefix = 0.0, self.prefix
         for i, pos in enumerate(self.positions):
             total += (prefix[i + 1] - prefix[i]) * ((pos - start) % interval)
