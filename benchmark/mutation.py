@@ -17,6 +17,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from histate.core import MISS_REASONS
 from histate.sim.metrics import percentile
 from histate.sim.replay import ReplayConfig, replay_policies
 from histate.sim.request import RequestFlag
@@ -28,12 +29,15 @@ POLICIES = ("histate", "vllm-disk")
 def mutation_stats(run) -> dict:
     muts = [r for r in run.records if r.flags & RequestFlag.MUTATION]
     ttfts = [r.ttft_s for r in run.records]
-    return {
+    out = {
         "mutation_requests": len(muts),
         "mutation_ttft_mean_s": sum(r.ttft_s for r in muts) / len(muts) if muts else float("nan"),
         "mutation_hit_rate": (sum(r.reused_tokens for r in muts) / sum(r.input_tokens for r in muts)) if muts else float("nan"),
         "p99_ttft_s": percentile(ttfts, 99),
     }
+    for reason in MISS_REASONS:  # why mutation requests recompute (docs/misses.md): tokens per mutation request
+        out[f"miss_{reason}"] = sum(r.miss_tokens[reason] for r in muts) / len(muts) if muts else float("nan")
+    return out
 
 
 def main() -> int:
@@ -43,6 +47,8 @@ def main() -> int:
     ap.add_argument("--num-sessions", type=int, default=48)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), help="first is compared with vllm-disk")
     ap.add_argument("--out", type=Path, default=Path("out/mutation"))
+    ap.add_argument("--per-seed", action="store_true",
+                    help="also print each seed's change and why its mutation requests recompute")
     args = ap.parse_args()
     policies = list(dict.fromkeys([*args.policies, "vllm-disk"]))
     rows = []
@@ -67,6 +73,15 @@ def main() -> int:
                   f"{statistics.median(changes) if changes else float('nan'):+.1%} {span}; hit rate "
                   f"{h['mutation_hit_rate']:.1%} vs {d['mutation_hit_rate']:.1%}; p99 TTFT "
                   f"{h['p99_ttft_s']:.2f}s vs {d['p99_ttft_s']:.2f}s  ({len(args.seeds)} seeds)", flush=True)
+            print(f"{'':>24}why its mutation requests recompute (tokens per request, median over seeds): "
+                  + ", ".join(f"{r} {h['miss_' + r]:.0f}" for r in MISS_REASONS if h["miss_" + r] >= 0.5), flush=True)
+            if args.per_seed:
+                for seed, s in zip(args.seeds, per_seed):
+                    if s[p]["mutation_requests"]:
+                        print(f"{'':>24}seed {seed}: {s[p]['mutation_ttft_mean_s'] / s[base]['mutation_ttft_mean_s'] - 1:+.1%}"
+                              f" over {s[p]['mutation_requests']} requests; "
+                              + ", ".join(f"{r} {s[p]['miss_' + r]:.0f}" for r in MISS_REASONS if s[p]["miss_" + r] >= 0.5),
+                              flush=True)
     _plot(rows, args.out, policies)
     return 0
 

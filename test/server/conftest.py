@@ -90,7 +90,7 @@ def ssd_root(tmp_path_factory) -> Path:
 @dataclass(frozen=True)
 class Servers:
     reference: object  # stock SGLang, radix cache disabled: every answer a cold prefill
-    histate: object  # --enable-histate with an SSD tier and metrics; shared by tests in file order
+    histate: object  # --enable-histate with an SSD tier, metrics and miss reasons; shared by tests in file order
     fresh: object  # --enable-histate, untouched until the capture-exactness test (its hits are predictable)
 
 
@@ -98,7 +98,8 @@ class Servers:
 def servers(fleet, ssd_root) -> Servers:
     """The three standard servers, booted together on first use."""
     return Servers(*fleet.get(("reference", REFERENCE_ARGS),
-                              ("histate", HISTATE_ARGS + ("--histate-ssd-dir", str(ssd_root / "main"))),
+                              ("histate", HISTATE_ARGS + ("--histate-ssd-dir", str(ssd_root / "main"),
+                                                          "--histate-miss-reasons")),
                               ("fresh", HISTATE_ARGS)))
 
 

@@ -35,7 +35,8 @@ import random
 import pytest
 import torch
 
-from histate.core import CPU_BIT, GPU_BIT, SSD_BIT, CacheConfig, HybridPrefixCache, Tier, floor_cut, make_policy
+from histate.core import (CPU_BIT, GPU_BIT, SSD_BIT, CacheConfig, HybridPrefixCache, MissHistory, MissRecorder, Tier,
+                          floor_cut, make_policy)
 from histate.sim.admission import CacheGate, engine_profile
 from histate.sim.costs import get_model
 from histate.sim.engine import EngineConfig, EngineRequest
@@ -108,8 +109,12 @@ def _sim(rig: GdnRig):
                     capacity_bytes={Tier.GPU: config.capacity_bytes[Tier.GPU], Tier.CPU: cpu_bytes,
                                     Tier.SSD: config.capacity_bytes[Tier.SSD]}),
         make_policy("histate"))
-    profile = engine_profile(cache.policy, get_model("tiny-qwen3.5"), EngineConfig(caches_outputs=False), GRID)
-    return cache, CacheGate(cache, profile)
+    # SGLang matches at most a prompt's first L-1 tokens (the last one is always prefilled for its logits)
+    engine = EngineConfig(caches_outputs=False, matches_last_prompt_token=False)
+    profile = engine_profile(cache.policy, get_model("tiny-qwen3.5"), engine, GRID)
+    misses = MissHistory(max_keys=None)
+    cache.observer = MissRecorder(misses)
+    return cache, CacheGate(cache, profile, misses=misses)
 
 
 def _pool_name(name: str):
@@ -226,7 +231,8 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
 
     gdn_kernels.install(monkeypatch)
     config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
-                             "ssd_size_bytes": "256MiB", "intervals_tokens": "128,256,512,1024"}, {})
+                             "ssd_size_bytes": "256MiB", "intervals_tokens": "128,256,512,1024",
+                             "miss_reasons": True}, {})
     clock = [0.0]
     # KV of 1 KiB per token: a checkpoint is ~112 tokens of KV (N_s), so eq. 5 plans interior positions.
     rig = GdnRig("fp32", config, mamba_slots=400, kv_tokens=1 << 15, hicache_ratio=4.0, clock=lambda: clock[0],
@@ -234,6 +240,7 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
     sim, gate = _sim(rig)
     tokens_of = _Tokens()
     compared = checkpoints = homed = resumed = 0
+    reasons_seen: set = set()
     states = _ColdStates(rig)
     for i, request in enumerate(_stream()):
         clock[0] = float(i)
@@ -243,6 +250,7 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
         admitted = gate.admit(EngineRequest(request.uid, request.input_num_tokens, request.input_num_tokens, 1),
                               request.input_num_tokens, clock[0], idle=True)
         match = gate.first_match(request.uid)
+        sim_misses = dict(gate.first_misses(request.uid).tokens_by_reason)
         sim_ends = _pass_ends(request.input_num_tokens - admitted.num_compute_tokens, request.input_num_tokens)
         gate.finish(request.uid, sim_ends, clock[0])
         # plugin
@@ -259,6 +267,11 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
         assert plugin_ends == sim_ends, (i, plugin_ends, sim_ends)
         reused, branch = req._hs_admitted
         assert reused == match.num_reused_pages * GRID, (i, reused, match)
+        # the same miss reasons, request by request (core/misses.py; no eviction here: no_prefix,
+        # no_checkpoint and page_boundary)
+        assert dict(req._hs_misses.tokens_by_reason) == sim_misses, (i, req._hs_misses, sim_misses)
+        assert sum(sim_misses.values()) == request.input_num_tokens - reused
+        reasons_seen |= {reason for reason, tokens in sim_misses.items() if tokens}
         assert (branch or reused) // GRID == max(match.num_kv_pages, match.num_reused_pages), (i, branch, match)
         sim_path = _sim_path(sim, request.page_keys)
         plugin_path = _plugin_path(rig, tokens, len(sim_path))
@@ -273,6 +286,7 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
     # The stream exercises what it compares (counts of this seeded run: 24 requests, 47 planned interior
     # positions, 160 checkpoints on request paths, 136 of them historical and on SSD alone).
     assert compared == 24 and homed >= 100 and checkpoints - homed >= 20
+    assert reasons_seen == {"no_prefix", "no_checkpoint", "page_boundary"}, reasons_seen
     assert gate.stats.captured_interior == gate.stats.planned_interior >= 30 and gate.stats.off_grid == 0
     # Both learned the same reuse-position prior from the same matches: the plugin's token-unit matches
     # and the simulator's pages put the same far interior hits in the same depth bins.

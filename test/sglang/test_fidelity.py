@@ -39,7 +39,9 @@ from histate.sglang_plugin.core_nodes import core_of
 from histate.sglang_plugin.server_settings import storage_extra_config
 from histate.sim.workloads import AgentWorkloadConfig, agent_workload
 
+from sglang_cpu import hicache as hicache_rig
 from sglang_cpu.hicache import TieredDriver, build_hicache
+from sglang_cpu.hicache import request as hicache_rig_request
 from sglang_cpu.pools import PAGE, Driver, ManualClock, build_cache, build_pools, publish_server_args
 
 TRACE = AgentWorkloadConfig(
@@ -111,6 +113,57 @@ def test_sglang_cache_matches_core_reuse_per_request(sglang_plugins):
 
 # --- pressure on device, host and SSD ---------------------------------------------------------------
 
+
+class _MissModel:
+    """What `--histate-miss-reasons` must say for each admission (docs/misses.md), from the test's own
+    record of what earlier requests inserted (each pass inserts its prompt up to a checkpoint), not from
+    the plugin's events: a page past the KV match was never inserted -> no_prefix, else it was cached and
+    left (kv_evicted, or not_restored when an SSD copy stayed); between the resume point c and the KV
+    match m, the deepest position that ever held a checkpoint splits state_evicted from no_checkpoint."""
+
+    def __init__(self):
+        self.inserted: set = set()     # token prefixes (as tuples) whose KV an insert cached
+        self.checkpointed: set = set()  # token prefixes a checkpoint was inserted at
+        self.totals: dict = {}
+        self.wrong: list = []
+
+    def served(self, request_tokens, outcome) -> None:
+        end = max(outcome.checkpoints, default=0)
+        for g in range(PAGE, end + 1, PAGE):
+            self.inserted.add(tuple(request_tokens[:g]))
+        for position in outcome.checkpoints:
+            self.checkpointed.add(tuple(request_tokens[:position]))
+
+    def check(self, req, request_tokens, reused) -> None:
+        got = getattr(req, "_hs_misses").tokens_by_reason
+        L = len(request_tokens)
+        n = (L - 1) // PAGE  # SGLang matches at most the first L-1 tokens
+        m = next((i for i in range(n) if not _held(req, i)), n)
+        problems = []
+        if sum(got.values()) != L - reused:
+            problems.append(("sum", sum(got.values()), L - reused))
+        kv = {"no_prefix": 0, "evicted": 0}
+        for i in range(m, n):
+            kv["no_prefix" if tuple(request_tokens[:(i + 1) * PAGE]) not in self.inserted else "evicted"] += PAGE
+        if got["no_prefix"] != kv["no_prefix"] or got["kv_evicted"] + got["not_restored"] != kv["evicted"]:
+            problems.append(("kv", got, kv))
+        deepest = next((d for d in range(m, reused // PAGE, -1)
+                        if tuple(request_tokens[:d * PAGE]) in self.checkpointed), None)
+        state = (deepest or reused // PAGE) * PAGE - reused
+        if got["state_evicted"] != state or got["no_checkpoint"] != m * PAGE - reused - state \
+                or got["page_boundary"] != L - n * PAGE:
+            problems.append(("state", got, m, reused, deepest))
+        if problems:
+            self.wrong.append((req.rid, problems))
+        for reason, value in got.items():
+            self.totals[reason] = self.totals.get(reason, 0) + value
+
+
+def _held(req, page: int) -> bool:
+    """Whether the admission's KV match covered `page`: SGLang's branching point (the KV match end, floored to
+    the state grid, when it lies past the reused state) or else the reused prefix, on device and host."""
+    return (page + 1) * PAGE <= max(req.mamba_branching_seqlen or 0, req.prefix_len + req.host_hit_length)
+
 _BITS = {Tier.GPU: GPU_BIT, Tier.CPU: CPU_BIT, Tier.SSD: SSD_BIT}
 
 
@@ -135,7 +188,7 @@ def test_under_pressure_on_every_tier_each_decision_is_the_cores(sglang_plugins,
     for module in (plugin_config, plugin_storage):  # the 64 MiB floor is one Qwen3.5 checkpoint; these are 544 B
         monkeypatch.setattr(module, "MIN_SSD_SIZE_BYTES", 1 << 20)
     config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
-                             "ssd_size_bytes": "1MiB"}, {})
+                             "ssd_size_bytes": "1MiB", "miss_reasons": True}, {})
     publish_server_args()
     pools = build_pools(kv_tokens=160 * PAGE, mamba_slots=8, max_context=1 << 15)  # the trace: ~1,900 pages
     clock = ManualClock()
@@ -166,22 +219,34 @@ def test_under_pressure_on_every_tier_each_decision_is_the_cores(sglang_plugins,
     monkeypatch.setattr(eviction.TierVictims, "next_victim", checked_next_victim)
     tokens, driver, misses = _Tokens(), TieredDriver(cache, pools), []
     admit = driver.admit
+    admitted = []
+    monkeypatch.setattr(hicache_rig, "request", lambda *a: admitted.append(hicache_rig_request(*a)) or admitted[-1])
+    reasons = _MissModel()
 
     def admit_checked(request_tokens):
         expected = _deepest_checkpoint(cache, request_tokens)
         reused = admit(request_tokens)
         if reused != expected:
             misses.append((expected, reused))
+        reasons.check(admitted[-1], request_tokens, expected)
         return reused
 
     driver.admit = admit_checked
     for i, request in enumerate(_round_robin(agent_workload(TRACE, name="fidelity"))):
         clock.now = float(i)
-        driver.serve(tokens(request.page_keys), plan=cache.plan_checkpoints)
+        request_tokens = tokens(request.page_keys)
+        outcome = driver.serve(request_tokens, plan=cache.plan_checkpoints)
+        reasons.served(request_tokens, outcome)
         cache.sanity_check()
         cache.histate.victims.check_offered()
     assert not wrong, wrong[:5]
     assert not misses, misses[:5]
+    assert not reasons.wrong, reasons.wrong[:5]
+    # every reason but page_boundary (these prompts end on a page) and not_restored (no fault) is reached
+    # (tokens of this seeded run: kv_evicted 14,016, state_evicted 656, no_checkpoint 4,976, no_prefix 25,664)
+    assert all(reasons.totals[r] > 0 for r in ("no_prefix", "kv_evicted", "state_evicted", "no_checkpoint")), \
+        reasons.totals
+    print("miss reasons (tokens):", reasons.totals)
     # The pressure is real on every tier (counts of this seeded run: device 209, host 140, SSD 112).
     assert min(decisions.get(t, 0) for t in Tier) >= 50, decisions
     assert cache.histate.metrics.totals[("ssd_restores_total", "ok")] >= 1  # SSD-only checkpoints were reused

@@ -9,7 +9,7 @@ from histate.cli.plan import plan_replay, settings_record
 
 
 def replay_command(args) -> int:
-    from histate.sim.report import build_summary, format_table, strict_json, write_outputs
+    from histate.sim.report import build_summary, format_misses, format_table, strict_json, write_outputs
 
     try:  # bad input is one line naming its source, and all of it is found before the replay starts
         settings, workload, config, admitted, num_drawn_empty = plan_replay(args)
@@ -68,6 +68,9 @@ def replay_command(args) -> int:
     if interrupted:
         summary["interrupted"] = {"policy": interrupted, "not_replayed": policies[len(runs):]}
     print(format_table(summary))
+    misses = format_misses(summary)
+    if misses:
+        print(misses)
     if cluster_summaries is not None:
         from histate.sim.cluster_metrics import format_cluster_table
 

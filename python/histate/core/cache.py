@@ -125,7 +125,9 @@ class HybridPrefixCache:
 
     def _match(self, keys: list):
         path, m, partial = self.tree.walk(keys)
+        held = None
         if m % self._block_pages:
+            held = m
             path, m, partial = _floor_to_block(path, m, partial, self._block_pages)
         ckpt_node = None
         if self.policy.dense_checkpoints:
@@ -158,7 +160,7 @@ class HybridPrefixCache:
         result = MatchResult(
             num_kv_pages=m, num_reused_pages=c, kv_bytes_by_tier=kv_bytes, checkpoint_tier=ckpt_tier,
             checkpoint_size_bytes=self.config.checkpoint_size_bytes if ckpt_tier is not None else 0,
-            is_terminal_hit=terminal, end_offset_pages=self.state.end_offset(diverged_in, m))
+            is_terminal_hit=terminal, num_held_kv_pages=held, end_offset_pages=self.state.end_offset(diverged_in, m))
         return result, path, partial, ckpt_node
 
     # --- request life cycle ------------------------------------------------------------------
@@ -341,12 +343,19 @@ class HybridPrefixCache:
         if not self.book.mask(node, kind) & bit:
             return False
         self.stats.num_lost_reported += 1
-        if kind is ItemKind.KV and not node.kv_mask & ~bit:
-            self.evictor.remove_subtree(node, now_s)
+        observer = self._observer
+        if observer is not None:
+            observer.on_fault(True)
+        try:
+            if kind is ItemKind.KV and not node.kv_mask & ~bit:
+                self.evictor.remove_subtree(node, now_s)
+                return True
+            self.book.drop(node, kind, tier)
+            self.evictor.settle(node, checkpoint_gone=kind is ItemKind.CHECKPOINT and not node.ckpt_mask)
             return True
-        self.book.drop(node, kind, tier)
-        self.evictor.settle(node, checkpoint_gone=kind is ItemKind.CHECKPOINT and not node.ckpt_mask)
-        return True
+        finally:
+            if observer is not None:
+                observer.on_fault(False)
 
     def drain_ops(self) -> list[TierOp]:
         ops, self.book.ops = self.book.ops, []

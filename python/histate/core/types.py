@@ -94,6 +94,10 @@ class MatchResult:
     checkpoint_tier: Optional[Tier] = None
     checkpoint_size_bytes: int = 0
     is_terminal_hit: bool = False  # the checkpoint at c ends a trajectory (append-style hit)
+    num_held_kv_pages: Optional[int] = None
+    """KV pages the tree holds on the request's path before the match is floored to the policy's block
+    (vLLM's block granularity); None: the same as `num_kv_pages`. Pages between the two are held but
+    unusable: miss attribution calls them page_boundary (core/misses.py)."""
     end_offset_pages: Optional[int] = None
     """Where the request left the cached tree, in pages before the end of the most recently used
     trajectory below that point: 0 = at its end (an append), k = k pages before it; None when farther

@@ -355,6 +355,11 @@ OPTIONS: tuple[Option, ...] = (
            help=f"With --histate-short-prefill-first: passes in a row a long prefill may give to short "
                 f"ones before it runs one pass uncapped (default {DEFAULT_MAX_YIELDS}); its own prefill then "
                 f"takes at most N+1 times its unshared number of passes."),
+    Option("miss_reasons", "--histate-miss-reasons", "HISTATE_MISS_REASONS", _parse_bool, is_switch=True,
+           help="Say why each request's uncached prompt tokens missed: no_prefix, kv_evicted, state_evicted, "
+                "no_checkpoint, not_restored, page_boundary (docs/misses.md). Adds meta_info['histate_miss'] "
+                "to every response and sglang:histate_miss_tokens_total{reason} to /metrics. Costs a prefix "
+                "hash of each prompt and of each evicted node (numpy) and a bounded record of departures."),
 )
 OPTIONS_BY_FIELD = {o.field: o for o in OPTIONS}
 
@@ -381,6 +386,7 @@ class HiStateConfig:
     restore_costs: tuple[float, float] = (DEFAULT_RESTORE_COST_TOKENS[Tier.CPU], DEFAULT_RESTORE_COST_TOKENS[Tier.SSD])
     short_prefill_first: bool = False
     short_prefill_max_yields: int = DEFAULT_MAX_YIELDS
+    miss_reasons: bool = False
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     """field -> 'cli' | 'env' | 'default': where each value came from (for logs and errors)."""
 

@@ -45,7 +45,7 @@ class _Children:
 
 class CoreNode:
     __slots__ = ("sg", "depth", "kv_access_s", "ckpt_access_s", "kv_created_s", "ckpt_created_s",
-                 "ssd_kv", "ssd_state", "version", "is_alive", "is_parked", "offered")
+                 "ssd_kv", "ssd_state", "version", "is_alive", "is_parked", "offered", "prefix_hash")
 
     def __init__(self, sg: Any, now_s: float = 0.0):
         self.sg = sg
@@ -58,6 +58,7 @@ class CoreNode:
         self.is_alive = True
         self.is_parked = False
         self.offered: tuple = ()  # the units last offered to the heaps
+        self.prefix_hash: Optional[int] = None  # H(depth) of prefix_keys.py, once miss attribution asked for it
 
     # --- structure (read through to SGLang) ------------------------------------------------------
 

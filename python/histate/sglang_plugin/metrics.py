@@ -26,6 +26,8 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
   sglang:histate_kv_demoted_tokens_total        host KV written to SSD ahead of its eviction (victim tier)
   sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
+  sglang:histate_miss_tokens_total{reason}      uncached prompt tokens by reason (--histate-miss-reasons;
+                                                docs/misses.md)
 
 Every value is also kept as a plain integer in `totals` (tests and benchmarks read these), so
 recording works identically with Prometheus off (`--enable-metrics` not given).
@@ -98,6 +100,9 @@ class HiStateMetrics:
                 "is the host's victim tier for KV).")
         counter("ssd_restores_total", "Checkpoints restored from the SSD tier to a host slot; 'miss' when "
                 "any rank could not read its copy (the request then runs without it).", ("result",))
+        counter("miss_tokens_total", "Prompt tokens not served from cache, by reason (--histate-miss-reasons; "
+                "docs/misses.md): no_prefix, kv_evicted, state_evicted, no_checkpoint, not_restored, page_boundary.",
+                ("reason",))
         self._prom["checkpoints"] = gauge_cls(
             name="sglang:histate_checkpoints", documentation="Checkpoints resident per tier.",
             labelnames=names + ["tier"], multiprocess_mode="mostrecent", registry=registry)
@@ -115,6 +120,11 @@ class HiStateMetrics:
         if reused_tokens > 0 and tier is not None:
             self._inc("reused_tokens_total", reused_tokens)
             self._inc("prefix_hits_total", 1, tier=tier)
+
+    def record_misses(self, tokens_by_reason: Mapping[str, int]) -> None:
+        """One request's uncached prompt tokens by reason (core/misses.py)."""
+        for reason, num_tokens in tokens_by_reason.items():
+            self._inc("miss_tokens_total", num_tokens, reason=reason)
 
     def record_eviction(self, unit: str, tier: int) -> None:
         self._inc("evictions_total", 1, unit=unit, tier=SGLANG_TIER_NAMES[tier])

@@ -18,13 +18,14 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
-from histate.core import (SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, Tier, TierPlan, UnitKind, fastest_tier,
-                          make_policy)
+from histate.core import (MISS_HISTORY_MAX_KEYS, SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, Tier, TierPlan,
+                          UnitKind, fastest_tier, make_policy)
 
 from .config import HiStateConfig
 from .core_nodes import CoreNode, core_of
 from .eviction import TierVictims, frees_state
 from .metrics import HiStateMetrics
+from .miss_tracker import META_INFO_KEY, MISS_ATTR, MissTracker, as_meta_info
 
 
 REUSE_ATTR = "_hs_reuse"
@@ -77,6 +78,8 @@ class HiStateRuntime:
         self.state = self._policy_state()
         self.victims = TierVictims(self.state)
         self.ssd_tier: Any = None  # ssd_tier.SsdTier once an SSD backend is attached
+        # --histate-miss-reasons: why uncached tokens missed (miss_tracker.py); None when off
+        self.misses = MissTracker(grid_tokens, MISS_HISTORY_MAX_KEYS) if config.miss_reasons else None
 
     def _policy_state(self) -> PolicyState:
         """The policy state over the tiers that exist: eq. 7 charges a unit leaving a tier the restore
@@ -130,11 +133,13 @@ class HiStateRuntime:
         lowered (the core's `_add_checkpoint`)."""
         node.ckpt_access_s = node.ckpt_created_s = now_s
         self.victims.touch_checkpoint_neighbourhood(node)
+        if self.misses is not None:
+            self.misses.on_checkpoint_placed(node)
 
     # --- matches -----------------------------------------------------------------------------------
 
     def on_match(self, last_sg: Any, kv_match_tokens: int, req: Any, input_tokens: int,
-                 now_s: float) -> Optional[CoreNode]:
+                 now_s: float, key_tokens: Any = None) -> Optional[CoreNode]:
         """Core `begin_request` semantics on SGLang's match: refresh KV along the matched path, the used
         checkpoint (the deepest one on it in any tier, as the core's c) and, for refresh-all policies,
         every checkpoint above it; once per request, learn q and the near-end prior and count the hit
@@ -157,10 +162,44 @@ class HiStateRuntime:
             mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
             self.metrics.record_match(input_tokens=input_tokens, reused_tokens=ckpt_node.depth_pages if mask else 0,
                                       tier=SGLANG_TIER_NAMES[fastest_tier(mask)] if mask else None)
+        if req is not None and self.misses is not None and key_tokens is not None:
+            self._attribute_misses(req, key_tokens, kv_match_tokens, ckpt_node, now_s)
         return ckpt_node
+
+    def _attribute_misses(self, req: Any, key_tokens: Any, kv_match_tokens: int, ckpt_node: Optional[CoreNode],
+                          now_s: float) -> None:
+        """Why this match leaves tokens uncached (miss_tracker.py): kept on the request (the latest match
+        wins; counted once it runs) and in its response's meta_info."""
+        origin = getattr(req, "origin_input_ids", None)
+        prompt_tokens = len(origin) if origin is not None else len(key_tokens) + 1
+        key = key_tokens[:min(len(key_tokens), prompt_tokens - 1)]
+        reused = ckpt_node.depth_pages if ckpt_node is not None else 0
+        attribution = self.misses.attribute(key, prompt_tokens, kv_match_tokens, reused)
+        setattr(req, MISS_ATTR, attribution)
+        info = getattr(req, "customized_info", None)
+        if info is None:
+            info = {}
+            try:
+                req.customized_info = info
+            except AttributeError:  # not an SGLang Req (a rig's stand-in): the attribute is enough
+                return
+        info[META_INFO_KEY] = [as_meta_info(attribution, now_s)]
+
+    def commit_misses(self, req: Any) -> None:
+        """The request ran and left: count its latest attribution once (Prometheus `miss_tokens_total`), and
+        its context (prompt and output) is one later requests share."""
+        attribution = getattr(req, MISS_ATTR, None)
+        if attribution is not None and not getattr(req, "_hs_misses_counted", False):
+            req._hs_misses_counted = True
+            self.metrics.record_misses(attribution.tokens_by_reason)
+            origin = getattr(req, "origin_input_ids", None)
+            if origin is not None:
+                self.misses.saw_context(origin, getattr(req, "output_ids", None) or ())
 
     def on_node_removed(self, node: CoreNode) -> None:
         """SGLang unlinked `node` (eviction, or a tombstone chain it cleaned up)."""
+        if self.misses is not None:  # before the SSD tier forgets its SSD bits
+            self.misses.on_node_removed(node, self.now(), self.ssd_tier)
         self.victims.on_removed(node)
         if self.ssd_tier is not None:
             self.ssd_tier.on_node_removed(node)
@@ -183,7 +222,16 @@ class HiStateRuntime:
         """Residence samples with the core's definitions: T_KV when a bundle's KV leaves the device,
         T_state when a checkpoint loses its last copy."""
         self.metrics.record_eviction(unit.value, tier)
+        if self.misses is not None:
+            self.misses.on_evicted(node, tier, self.state.score(node, unit, 1 << tier))
         if unit is UnitKind.BUNDLE and tier is Tier.GPU:
             self.state.on_kv_left_gpu(node, now_s)
         if frees_state(node, unit, tier) and not node.ckpt_mask & ~(1 << tier):
             self.state.on_state_gone(node, now_s)
+            if self.misses is not None:
+                self.misses.on_state_gone(node, now_s)
+
+    def on_state_lost(self, node: CoreNode) -> None:
+        """A fault took the last copy of `node`'s checkpoint (an SSD restore no rank could complete)."""
+        if self.misses is not None and not node.ckpt_mask:
+            self.misses.on_state_gone(node, self.now(), lost=True)

@@ -206,6 +206,16 @@ class SsdTier:
 
         return [self.backend.store_key(KV_POOL, h) for h in page_hashes]
 
+    def kv_copy_key(self, node: CoreNode, end_tokens: int) -> Optional[str]:
+        """The store key of `node`'s KV page that ends at `end_tokens` (miss attribution asks whether the
+        copy of a deleted node is still on the SSD); None when SGLang has no hash for it."""
+        hashes = node.sg.hash_value or ()
+        index = (end_tokens - (node.depth_pages - len(node.keys))) // self.cache.page_size - 1
+        return self._kv_keys((hashes[index],))[0] if 0 <= index < len(hashes) else None
+
+    def has_copy(self, key: str) -> bool:
+        return self.backend.store.exists(key)
+
     def _kv_bytes(self, node: CoreNode) -> int:
         return len(node.keys) * self.kv_bytes_per_token
 
@@ -794,6 +804,7 @@ class SsdTier:
                 node.ssd_state = False
                 self.runtime.victims.touch(node)
                 self.runtime.metrics.record_restore(ok=False)
+                self.runtime.on_state_lost(node)
         if node.is_alive:
             cache.dec_lock_ref(sg.id, job.unlock)
 

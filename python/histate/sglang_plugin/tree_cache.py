@@ -287,7 +287,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         runtime = self.histate
         visited = result.last_visited_node_id
         last = self.tree_core.node_by_id(visited if visited is not None else result.best_match_node)
-        ckpt_node = runtime.on_match(last, result.full_kv_hit_length, params.req, len(params.key), runtime.now())
+        ckpt_node = runtime.on_match(last, result.full_kv_hit_length, params.req, len(params.key), runtime.now(),
+                                     key_tokens=params.key.token_ids[:len(params.key)] if runtime.misses else None)
         if params.req is not None and runtime.ssd_tier is not None and hasattr(params.req, "cache_request_handle"):
             runtime.ssd_tier.note_match(params.req.cache_request_handle, ckpt_node)
         if params.req is not None:
@@ -357,6 +358,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         from .capture import release_captures
 
         release_captures(self, req)
+        self.histate.commit_misses(req)
         super().on_release(req, checkpointed=checkpointed)
 
 
@@ -381,6 +383,10 @@ def histate_cache_factory(ctx: Any) -> Any:
 
     install_chunk_planning()
     install_short_prefill_first()
+    if config.miss_reasons:
+        from .miss_tracker import install_meta_info_hook
+
+        install_meta_info_hook()
     install_scheduler_hooks()
     install_forward_hooks()
     with histate_build_scope(config):

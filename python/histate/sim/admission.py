@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Optional
 
-from ..core import HybridPrefixCache, ItemKind, MatchResult, RequestLease, Tier, captured_positions
+from ..core import (HybridPrefixCache, ItemKind, MatchResult, MissAttribution, MissHistory, RequestLease, Tier,
+                    attribute_misses, captured_positions)
 from .costs import ModelSpec, vllm_hybrid_blocks
 from .engine import EngineConfig, EngineRequest, MemoryGate
 from .request import Request
@@ -93,7 +94,7 @@ def engine_profile(policy, model: ModelSpec, base: EngineConfig, page_num_tokens
 class _Held:
     """One request as the gate sees it."""
 
-    __slots__ = ("request", "lease", "kv_bytes", "state_bytes", "first_match", "first_match_s", "plan_pages")
+    __slots__ = ("request", "lease", "kv_bytes", "state_bytes", "first_match", "first_match_s", "plan_pages", "misses")
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -103,6 +104,7 @@ class _Held:
         self.first_match: Optional[MatchResult] = None
         self.first_match_s: Optional[float] = None  # when that match happened (explain attributes there)
         self.plan_pages: Optional[list] = None  # prompt positions planned at first admission (in-pass capture)
+        self.misses: Optional[MissAttribution] = None  # why its uncached tokens missed, at first admission
 
 
 @dataclass(slots=True)
@@ -122,11 +124,14 @@ class CacheGate(MemoryGate):
 
     def __init__(self, cache: HybridPrefixCache, profile: EngineProfile,
                  on_cache_change: Callable[[float], None] = lambda now_s: None, observer=None,
-                 on_finish_insert: Optional[Callable] = None) -> None:
+                 on_finish_insert: Optional[Callable] = None, misses: Optional[MissHistory] = None) -> None:
         """`observer`: an explain.EvictionLog, told which request each cache call serves.
         `on_finish_insert(request, page_keys, state_pages, now_s)`: called when a finished request's
-        pages and states enter the cache (cluster mode writes L3 at that moment, sim/cluster.py)."""
+        pages and states enter the cache (cluster mode writes L3 at that moment, sim/cluster.py).
+        `misses`: the departures the cache's `MissRecorder` keeps; with it, each request's uncached
+        tokens get their reasons at its first admission (`first_misses`, core/misses.py)."""
         self.on_finish_insert = on_finish_insert
+        self.misses = misses
         self.cache = cache
         self.observer = observer
         self.profile = profile
@@ -151,12 +156,21 @@ class CacheGate(MemoryGate):
         cache evicts before then, after its arrival (sim/explain.py)."""
         return self.held[uid].first_match_s
 
+    def first_misses(self, uid: Hashable) -> Optional[MissAttribution]:
+        """Why the request's uncached tokens missed, judged when its first admission matched (None
+        without a miss history)."""
+        return self.held[uid].misses
+
     def finish(self, uid: Hashable, step_end_tokens: list, now_s: float) -> None:
         """The request's last token is out: its memory goes back and the cache keeps what the engine
         keeps (prompt and output pages, states where the policy's engine has them)."""
         self._serving(uid)
         held = self.held.pop(uid)
         request = held.request
+        if self.misses is not None:  # later requests sharing its context had a shared prefix (core/misses.py)
+            # (without caches_outputs the engine's output is not the trace's: `histate serve`, EngineConfig)
+            context = request.input_num_tokens + (request.output_num_tokens if self.profile.engine.caches_outputs else 0)
+            self.misses.saw_context(request.keys_through(context // self.page_num_tokens))
         kv_tokens = request.input_num_tokens + max(0, request.output_num_tokens - 1)  # the last token has no KV
         inserted = self._insert(held, request.input_num_tokens, kv_tokens, step_end_tokens, now_s, request.session_id)
         if inserted is not None and self.on_finish_insert is not None:
@@ -198,6 +212,9 @@ class CacheGate(MemoryGate):
         held.lease = lease
         if held.first_match is None:
             held.first_match, held.first_match_s = m, now_s
+            if self.misses is not None:
+                held.misses = attribute_misses(keys, context_num_tokens, self.page_num_tokens, m.num_kv_pages,
+                                               m.num_reused_pages, self.misses, m.num_held_kv_pages)
             if cache.policy.captures_in_pass:  # planned as the first pass is built (sglang_plugin/capture.py)
                 held.plan_pages = cache.plan_checkpoints(lease, self.match_pages(request.input_num_tokens))
         self.stats.admissions += 1

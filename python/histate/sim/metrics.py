@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
-from ..core import DEFAULT_CHUNK_PAGES, STATE_GRID_TOKENS
+from ..core import DEFAULT_CHUNK_PAGES, MISS_REASONS, STATE_GRID_TOKENS
 
 
 @dataclass(slots=True)
@@ -39,6 +39,8 @@ class RequestRecord:
     l3_hit_tokens: int = 0  # of reused_tokens, those restored from the shared L3 store
     output_digest: str = ""  # live runs: BLAKE2b of the output token ids (exactness checks across runs)
     matched_s: Optional[float] = None  # when its first admission matched the cache (None: at arrival)
+    miss_tokens: Optional[dict] = None  # uncached tokens by reason (core/misses.py); None: not attributed
+    kv_held_tokens: Optional[int] = None  # KV held on its path before a block floor (MatchResult.num_held_kv_pages)
 
     @property
     def ttft_s(self) -> float:
@@ -99,6 +101,15 @@ def summarize(run: PolicyRun, uids: Optional[Iterable[int]] = None) -> dict:
         "ttft_p99_non_first_s": percentile(later, 99),
         "simulated_span_s": max(ends) - min(arrivals) if ends else math.nan,
     }
+
+
+def miss_tokens_by_reason(run: PolicyRun) -> Optional[dict]:
+    """Uncached prompt tokens of the run by reason (core/misses.py), summed over its requests; None
+    when its records carry no attribution (a cluster replay)."""
+    attributed = [r.miss_tokens for r in run.records if r.miss_tokens is not None]
+    if not attributed:
+        return None
+    return {reason: sum(m[reason] for m in attributed) for reason in MISS_REASONS}
 
 
 LONG_PREFILL_TOKENS = DEFAULT_CHUNK_PAGES * STATE_GRID_TOKENS

@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core import (DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, HybridPrefixCache, Tier, default_staging_slots,
-                    make_policy)
+from ..core import (DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, HybridPrefixCache, MissHistory, MissRecorder,
+                    ObserverGroup, Tier, default_staging_slots, make_policy)
 from .admission import CacheGate, engine_profile
 from .costs import (HardwareSpec, RooflineStepCost, attention_pair_tokens, get_hardware, get_model,
                     restore_cost_tokens, vllm_hybrid_blocks)
@@ -207,9 +207,11 @@ class _Replay(SessionDriver):
         model = get_model(config.model)
         self.cache = HybridPrefixCache(config.cache_config(workload.page_num_tokens, rules), rules)
         self.profile = engine_profile(rules, model, config.engine, workload.page_num_tokens, config.engine_name)
-        self.cache.observer = observer
+        misses = MissHistory(max_keys=None)  # the whole replay: no departure is forgotten
+        recorder = MissRecorder(misses)
+        self.cache.observer = recorder if observer is None else ObserverGroup(recorder, observer)
         self.observer = observer  # an explain.EvictionLog: the gate tells it which request each cache call serves
-        self.gate = CacheGate(self.cache, self.profile, self._charge_writes, observer)
+        self.gate = CacheGate(self.cache, self.profile, self._charge_writes, observer, misses=misses)
         self.engine = Engine(model, config.resolved_hardware(), self.profile.engine, config.step_cost, self.gate)
         self.policy = policy
         self.on_request_done = on_request_done
@@ -272,9 +274,11 @@ class _Replay(SessionDriver):
         record, run = self.in_flight.pop(uid)
         match = self.gate.first_match(uid)  # what the request reused at its first admission
         record.matched_s = self.gate.first_match_s(uid)
+        record.miss_tokens = dict(self.gate.first_misses(uid).tokens_by_reason)
         self.gate.finish(uid, timing.step_end_tokens, t)
         P = self.page_num_tokens
         record.kv_hit_tokens = match.num_kv_pages * P
+        record.kv_held_tokens = (match.num_kv_pages if match.num_held_kv_pages is None else match.num_held_kv_pages) * P
         record.reused_tokens = min(match.num_reused_pages * P, record.input_tokens)
         record.restore_s = timing.restore_transfer_s
         record.completion_s = t

@@ -15,9 +15,11 @@ import tempfile
 from pathlib import Path
 from typing import Mapping
 
-from .metrics import PolicyRun, long_prefill_uids, recovered_fraction, reuse_sensitive_uids, speedups, summarize
+from ..core import MISS_REASONS
+from .metrics import (PolicyRun, long_prefill_uids, miss_tokens_by_reason, recovered_fraction, reuse_sensitive_uids,
+                      speedups, summarize)
 
-REPORT_FILES = ("summary.json", "requests.csv", "ttft_cdf.png", "per_request.png")
+REPORT_FILES = ("summary.json", "requests.csv", "ttft_cdf.png", "per_request.png", "miss_reasons.png")
 COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
            "tab:olive", "tab:cyan")
 LINESTYLES = ("-", "--", ":", "-.")
@@ -51,6 +53,9 @@ def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi")
             on_cohort = summarize(run, cohort)
             summaries[name]["cohort_ttft_mean_s"] = on_cohort["ttft_mean_s"]
             summaries[name]["cohort_ttft_p95_s"] = on_cohort["ttft_p95_s"]
+        misses = miss_tokens_by_reason(run)
+        if misses is not None:  # why the uncached tokens missed (core/misses.py); they sum to input - reused
+            summaries[name]["miss_tokens_by_reason"] = misses
         long = summarize(run, long_prefill_uids(run))  # what a short-first order costs the long ones
         summaries[name]["long_prefills"] = long["requests"]
         summaries[name]["long_prefill_ttft_mean_s"] = long["ttft_mean_s"]
@@ -76,6 +81,22 @@ def format_table(summary: dict, baseline: str = "vllm-marconi") -> str:
     lines.append(f"nf = over requests that are not the first of their session; speedups (x) are {baseline} TTFT / "
                  f"policy TTFT; cohort rec. = share of unlimited's reusable tokens recovered on the "
                  f"{summary['reuse_sensitive_requests']} reuse-sensitive requests")
+    return "\n".join(lines)
+
+
+def format_misses(summary: dict) -> str:
+    """Why the uncached prompt tokens missed, per policy: each reason's share of its input tokens."""
+    rows = {name: s["miss_tokens_by_reason"] for name, s in summary["policies"].items() if "miss_tokens_by_reason" in s}
+    if not rows:
+        return ""
+    head = f"{'policy':<18} {'uncached':>8} " + " ".join(f"{reason:>13}" for reason in MISS_REASONS)
+    lines = [head, "-" * len(head)]
+    for name, misses in rows.items():
+        input_tokens = summary["policies"][name]["input_tokens"] or 1
+        lines.append(f"{name:<18} {_pct(sum(misses.values()) / input_tokens, 8, 1)} "
+                     + " ".join(_pct(misses[reason] / input_tokens, 13, 1) for reason in MISS_REASONS))
+    lines.append("shares of all input tokens; the reasons of a request add up to its uncached tokens "
+                 "(docs/misses.md)")
     return "\n".join(lines)
 
 
@@ -134,12 +155,15 @@ def write_outputs(runs: Mapping[str, PolicyRun], summary: dict, out_dir: Path, p
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["policy", "uid", "session_id", "session_index", "flags", "arrival_s", "input_tokens",
-                    "kv_hit_tokens", "reused_tokens", "restore_s", "ttft_s"])
+                    "kv_hit_tokens", "reused_tokens", "restore_s", "ttft_s"]
+                   + [f"miss_tokens_{reason}" for reason in MISS_REASONS])
         for name, run in runs.items():
             for r in run.records:
+                misses = r.miss_tokens
                 w.writerow([name, r.uid, r.session_id, r.session_index, r.flags, f"{r.arrival_s:.6f}",
                             r.input_tokens, r.kv_hit_tokens, r.reused_tokens, f"{r.restore_s:.6f}",
-                            f"{r.ttft_s:.6f}"])
+                            f"{r.ttft_s:.6f}"]
+                           + [("" if misses is None else misses[reason]) for reason in MISS_REASONS])
     written.append(path)
     if plots:
         written += _plots(runs, out_dir)
@@ -158,6 +182,10 @@ def _plots(runs: Mapping[str, PolicyRun], out_dir: Path) -> list:
     cohort = reuse_sensitive_uids(runs)
     if cohort:
         written.append(_save(per_request_figure(runs, cohort, plt), out_dir / "per_request.png", plt))
+    misses = {name: m for name, run in runs.items() if (m := miss_tokens_by_reason(run)) is not None}
+    if misses:
+        inputs = {name: sum(r.input_tokens for r in runs[name].records) for name in misses}
+        written.append(_save(miss_reasons_figure(misses, inputs, plt), out_dir / "miss_reasons.png", plt))
     return written
 
 
@@ -217,4 +245,21 @@ def per_request_figure(runs, cohort, plt):
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(f"Per request, reuse-sensitive cohort\n{cohort_definition()}", fontsize=9)
+    return fig
+
+
+def miss_reasons_figure(misses: Mapping[str, dict], input_tokens: Mapping[str, int], plt):
+    """One stacked bar per policy: its uncached input tokens split by reason, as shares of its input."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(misses) + 3), 4.5))
+    names = list(misses)
+    bottoms = [0.0] * len(names)
+    for i, reason in enumerate(MISS_REASONS):
+        shares = [misses[n][reason] / max(input_tokens[n], 1) for n in names]
+        ax.bar(names, shares, bottom=bottoms, label=reason, color=COLOURS[i % len(COLOURS)])
+        bottoms = [b + s for b, s in zip(bottoms, shares)]
+    ax.set_ylabel("share of input tokens not served from cache")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("Why input tokens missed, per policy (simulated; docs/misses.md)", fontsize=9)
     return fig

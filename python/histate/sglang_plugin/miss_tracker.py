@@ -1,0 +1,153 @@
+"""`--histate-miss-reasons`: why each request's uncached prompt tokens missed, in the server.
+
+The same attribution the simulator reports (`histate.core.attribute_misses`, docs/misses.md), over
+SGLang's tree: the plugin feeds a `histate.core.MissHistory` from the events its hooks already see, in
+the core's terms, and asks it once per match:
+  * an eviction decision (`HiStateRuntime.on_evicted`: unit, tier and eq. 7 score) names the tier and
+    score of what it removes next;
+  * a checkpoint's last copy gone (the runtime's `on_state_gone` condition) departs the key of the
+    prefix through its node's end; a failed SSD restore departs it as lost (a fault: not_restored);
+  * a node SGLang deletes departs the KV of every state-grid page that ends inside its edge; if its KV
+    still had an SSD copy (an orphan SGLang's storage prefetch can read back), the departure says so
+    and a request that did not get it back reads not_restored, unless the copy is gone by then (checked
+    in the store when the request misses the page: the SSD trimmed it, so it was evicted from storage);
+  * a new checkpoint clears its key's departure.
+Keys are prefix_keys.py's (depth, hash) per state-grid page end, so a request finds the records of
+exactly the prefixes it shares. Pages are the state grid (lcm of SGLang's page size and the model's
+state chunk), the unit c is measured in; the KV match is floored to it.
+
+Counted once per request, at its last match before it ran (`commit`): the scheduler matches a request
+again when it retries admission, and each match replaces the attribution it carries. Every TP rank
+keeps the same history from the same agreed events; only the attribution's numbers leave the process.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Optional
+
+import numpy as np
+
+from histate.core import SGLANG_TIER_NAMES, Departure, MissAttribution, MissHistory, Tier, attribute_misses
+
+from .core_nodes import CoreNode
+from .prefix_keys import PrefixHasher
+
+MISS_ATTR = "_hs_misses"
+"""Underscore attribute on SGLang's `Req`: the `MissAttribution` of its latest match."""
+
+META_INFO_KEY = "histate_miss"
+"""The response's meta_info key (request-level customized info, one dict per request)."""
+
+
+class MissTracker:
+    def __init__(self, grid_tokens: int, max_keys: Optional[int]):
+        self.grid_tokens = grid_tokens
+        self.history = MissHistory(max_keys)
+        self.hasher = PrefixHasher()
+        self._chosen: tuple = (None, None, None)  # the latest eviction decision: (node, tier, score)
+        self._copies: OrderedDict = OrderedDict()  # key -> (store key, SsdTier) of a deleted node's SSD copy
+
+    # --- departures ---------------------------------------------------------------------------------
+
+    def on_evicted(self, node: CoreNode, tier: Tier, score: Optional[float]) -> None:
+        self._chosen = (node, tier, score)
+
+    def _departure(self, node: CoreNode, now_s: float, lost: bool = False, below: bool = False) -> Departure:
+        chosen, tier, score = self._chosen
+        if chosen is not node:
+            tier = score = None
+        return Departure(now_s, tier, score, lost=lost, below=below)
+
+    def on_state_gone(self, node: CoreNode, now_s: float, lost: bool = False) -> None:
+        """The last copy of the checkpoint at `node`'s end left (eviction, or a fault when `lost`)."""
+        if node.depth_pages % self.grid_tokens == 0:
+            self.history.checkpoint_gone(self.hasher.key_at_end(node), self._departure(node, now_s, lost=lost))
+
+    def on_node_removed(self, node: CoreNode, now_s: float, ssd: Any = None) -> None:
+        """SGLang deleted `node`: the KV of its edge left the tree. If the SSD tier (`ssd`) holds its pages
+        (an orphan SGLang's storage prefetch can read back), the departure says a copy stays below, and
+        the store key of each page is kept to check, when a request misses it, whether the copy is still
+        there (the SSD may have trimmed it since: then it was evicted from storage)."""
+        below = bool(node.ssd_kv and ssd is not None)
+        departure = self._departure(node, now_s, below=below)
+        for key in self.hasher.node_page_keys(node, self.grid_tokens):
+            self.history.kv_gone(key, departure)
+            if below:
+                copy = ssd.kv_copy_key(node, key[0])
+                if copy is not None:
+                    self._copies[key] = (copy, ssd)
+                    self._copies.move_to_end(key)
+        while len(self._copies) > (self.history.max_keys or len(self._copies)):
+            self._copies.popitem(last=False)
+
+    def _settle_copies(self, keys: list) -> None:
+        """Departures of `keys` (a request's missed pages, in order) that said a copy stays on the SSD: if
+        it is gone now (trimmed by the SSD's own eviction, or by the store for room), the page was evicted
+        from storage; so is every later page, whose copy SGLang's prefetch cannot reach past the gap (it
+        reads storage from the end of the host match, contiguously)."""
+        broken = False
+        for key in keys:
+            departure = self.history.kv_departure(key)
+            if departure is None or not departure.below:
+                broken = True
+                continue
+            copy, ssd = self._copies.get(key, (None, None))
+            if broken or copy is None or not ssd.has_copy(copy):
+                self._copies.pop(key, None)
+                self.history.kv_gone(key, Departure(departure.time_s, Tier.SSD, None))
+                broken = True
+
+    def on_checkpoint_placed(self, node: CoreNode) -> None:
+        if node.depth_pages % self.grid_tokens == 0:
+            self.history.checkpoint_placed(self.hasher.key_at_end(node))
+
+    # --- attribution --------------------------------------------------------------------------------
+
+    def attribute(self, key_tokens: Any, prompt_tokens: int, kv_tokens: int, reused_tokens: int) -> MissAttribution:
+        """Reasons for the `prompt_tokens - reused_tokens` uncached tokens of a request whose match key is
+        `key_tokens` (SGLang matches at most the first L-1 tokens: the last one is always prefilled)."""
+        grid = self.grid_tokens
+        num_pages = len(key_tokens) // grid
+        keys = self.hasher.page_keys(key_tokens, grid, num_pages)
+        kv_pages = min(kv_tokens // grid, num_pages)
+        if self._copies:
+            self._settle_copies(keys[kv_pages:])
+        return attribute_misses(keys, prompt_tokens, grid, kv_pages, min(reused_tokens // grid, kv_pages),
+                                self.history)
+
+    def saw_context(self, prompt: Any, output: Any = ()) -> None:
+        """A request left with `prompt` + `output` tokens: later ones sharing them had a shared prefix
+        (never_cached, not no_prefix, where this cache did not keep them)."""
+        tokens = np.concatenate([np.asarray(prompt, dtype=np.int64), np.asarray(output, dtype=np.int64)])
+        grid = self.grid_tokens
+        self.history.saw_context(self.hasher.page_keys(tokens, grid, len(tokens) // grid))
+
+
+def as_meta_info(attribution: MissAttribution, now_s: float) -> dict:
+    """The response's `meta_info["histate_miss"]`: tokens by reason, the gap from the resume point to
+    the KV hit end, and what the evicted pieces were (tier, seconds since, eq. 7 score)."""
+    out: dict = {"tokens": dict(attribution.tokens_by_reason), "state_gap_tokens": attribution.state_gap_tokens}
+    for name, departure in (("kv_departure", attribution.kv_departure), ("state_departure", attribution.state_departure)):
+        if departure is not None:
+            out[name] = {"tier": None if departure.tier is None else SGLANG_TIER_NAMES[Tier(departure.tier)],
+                         "seconds_ago": round(now_s - departure.time_s, 3),
+                         "score": None if departure.score is None else round(departure.score, 3),
+                         "lost": departure.lost, "copy_below": departure.below}
+    return out
+
+
+_STREAMER_KEY = ("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer."
+                 "is_request_level_customized_info_key")
+
+
+def _request_level_around(original: Any, streamer: Any, key: str) -> bool:
+    return key == META_INFO_KEY or original(streamer, key)
+
+
+def install_meta_info_hook() -> None:
+    """SGLang's customized info is sliced per output token unless its streamer calls the key request-level
+    (`SchedulerOutputStreamer.is_request_level_customized_info_key`, output_streamer.py:252): HiState's
+    key is, so the response carries one attribution, sent with the first chunk of a stream."""
+    from .hooks import install_once
+
+    install_once("miss_reasons", [(_STREAMER_KEY, _request_level_around, "AROUND")])
