@@ -18,6 +18,7 @@ import threading
 import pytest
 
 from histate.bench.run import BenchOptions, report, run_bench
+from histate.core import MISS_REASONS
 from histate.cli import main
 from histate.sim.engine import EngineConfig
 from histate.sim.replay import ReplayConfig, replay
@@ -104,7 +105,9 @@ def test_bench_cli_writes_replays_schema_with_ttft_and_hits(histate_server, tmp_
     with (out / "requests.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == ["policy", "uid", "session_id", "session_index", "flags", "arrival_s", "input_tokens",
-                             "kv_hit_tokens", "reused_tokens", "restore_s", "ttft_s"]  # histate replay's schema
+                             "kv_hit_tokens", "reused_tokens", "restore_s", "ttft_s",
+                             *(f"miss_tokens_{r}" for r in MISS_REASONS)]  # histate replay's schema
+    assert all(row[f"miss_tokens_{r}"] == "" for row in rows for r in MISS_REASONS)  # `histate serve` sends none
     # Every turn after the first extends its context: the server reports reuse on all of them.
     turns = sorted(rows, key=lambda r: float(r["arrival_s"]))
     assert int(turns[0]["reused_tokens"]) == 0

@@ -107,7 +107,10 @@ def test_a_ttft_that_is_not_a_finite_time_is_an_error(tmp_path, capsys, ttft):
     run_dir = _write(tmp_path / "r", _run("histate", [0.1, 0.2], [10, 20]))
     path = run_dir / "requests.csv"
     lines = path.read_text().splitlines()
-    lines[2] = lines[2].rsplit(",", 1)[0] + f",{ttft}"
+    column = lines[0].split(",").index("ttft_s")
+    cells = lines[2].split(",")
+    cells[column] = str(ttft)
+    lines[2] = ",".join(cells)
     path.write_text("\n".join(lines) + "\n")
     assert main(["compare", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip()
@@ -129,3 +132,15 @@ def test_session_index_round_trips_so_non_first_percentiles_are_defined(tmp_path
     runs = load_runs(_write(tmp_path / "r", PolicyRun("histate", records)))
     assert [r.session_index for r in runs["histate"].records] == [0, 1, 2]
     assert compare([tmp_path / "r"])["histate"][0]["non_first_requests"] == 2
+
+
+def test_miss_reasons_survive_the_csv_and_a_run_without_them_has_none(tmp_path):
+    from histate.core import MISS_REASONS
+
+    run = _run("histate", [0.1, 0.2], [10, 20])
+    for k, record in enumerate(run.records):
+        record.miss_tokens = {reason: (i + 1) * (k + 1) for i, reason in enumerate(MISS_REASONS)}
+    loaded = load_runs(_write(tmp_path / "with", run))["histate"].records
+    assert [r.miss_tokens for r in loaded] == [r.miss_tokens for r in run.records]
+    plain = load_runs(_write(tmp_path / "without", _run("histate", [0.1], [10])))["histate"].records
+    assert plain[0].miss_tokens is None

@@ -9,9 +9,12 @@
 """
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
+
+from histate.core import MISS_REASONS
 
 from .client import ROOT, metric_series, run_sglang_module
 
@@ -40,6 +43,12 @@ def test_histate_bench_against_sglang_with_histate(servers, tmp_path):
     (stats,) = summary["policies"].values()
     assert summary["bench"]["completed_requests"] == stats["requests"] > 0
     assert 0 < stats["ttft_p50_s"] <= stats["ttft_p99_s"] < 60
+    # the server runs with --histate-miss-reasons: the client files its reasons, one column each, adding up
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(sum(int(row[f"miss_tokens_{r}"]) for r in MISS_REASONS)
+                        == int(row["input_tokens"]) - int(row["reused_tokens"]) for row in rows)
+    assert sum(stats["miss_tokens_by_reason"].values()) == stats["input_tokens"] - stats["reused_tokens"]
 
 
 def test_histate_counters_on_sglangs_metrics(servers):

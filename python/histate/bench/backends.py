@@ -39,6 +39,8 @@ from typing import AsyncIterator, Optional
 
 import aiohttp
 
+from ..core import MISS_REASONS
+
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's manual policy (sgl-model-gateway policies/manual.rs)
 
 
@@ -65,6 +67,20 @@ class Completion:
     server: Optional[str] = None         # the worker that served it (histate serve names itself)
     l3_hit_tokens: Optional[int] = None  # of cached_tokens, those read from the shared L3 store
     output_digest: str = ""              # BLAKE2b of the output ids, when the server streams them
+    miss_tokens: Optional[dict] = None   # uncached prompt tokens by reason (SGLang --histate-miss-reasons)
+
+
+def miss_reasons(value) -> Optional[dict]:
+    """meta_info["histate_miss"] of SGLang with --histate-miss-reasons (a one-element list, docs/misses.md):
+    the tokens by reason, or None when the server did not send them (or sent something else)."""
+    if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], dict):
+        return None
+    tokens = value[0].get("tokens")
+    if not isinstance(tokens, dict) or set(tokens) != set(MISS_REASONS):
+        return None
+    if not all(isinstance(v, int) and v >= 0 for v in tokens.values()):
+        return None
+    return {reason: tokens[reason] for reason in MISS_REASONS}
 
 
 def output_digest(output_ids: list) -> str:
@@ -199,7 +215,8 @@ class SGLangBackend(_Backend):
         return Completion(0.0, 0.0, values["prompt_tokens"], values["completion_tokens"], values["cached_tokens"],
                           kv_hit if isinstance(kv_hit, int) else None,
                           worker if isinstance(worker, str) else None, l3_hit if isinstance(l3_hit, int) else None,
-                          output_digest(output_ids) if isinstance(output_ids, list) else "")
+                          output_digest(output_ids) if isinstance(output_ids, list) else "",
+                          miss_reasons(meta.get("histate_miss")))
 
     async def server_info(self, http: aiohttp.ClientSession) -> ServerInfo:
         info = await self._get_json(http, "/get_model_info")

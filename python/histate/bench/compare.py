@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..core import MISS_REASONS
 from ..sim.metrics import PolicyRun, RequestRecord, summarize
 
 REQUIRED = ("policy", "uid", "session_id", "flags", "arrival_s", "input_tokens", "kv_hit_tokens", "reused_tokens",
@@ -53,10 +54,12 @@ def load_runs(run_dir: Path) -> dict:
 def _record(row: dict, where: str) -> RequestRecord:
     try:
         arrival, ttft = _seconds(row, "arrival_s"), _seconds(row, "ttft_s")
+        misses = [row.get(f"miss_tokens_{reason}") for reason in MISS_REASONS]
         return RequestRecord(int(row["uid"]), row["session_id"], int(row["flags"]), arrival,
                              int(row["input_tokens"]), int(row["kv_hit_tokens"]), int(row["reused_tokens"]),
                              float(row["restore_s"]), arrival + ttft,
-                             session_index=int(row.get("session_index") or 0))
+                             session_index=int(row.get("session_index") or 0),
+                             miss_tokens=(dict(zip(MISS_REASONS, map(int, misses))) if all(misses) else None))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from None
 

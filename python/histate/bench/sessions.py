@@ -154,6 +154,7 @@ class ClosedLoop:
         record = RequestRecord(req.uid, req.session_id, int(req.flags), arrival_s, len(token_ids), kv_hit, reused,
                                math.nan, arrival_s + done.ttft_s, arrival_s + done.latency_s,
                                session_index=req.index, server=done.server or "",
-                               l3_hit_tokens=done.l3_hit_tokens or 0, output_digest=done.output_digest)
+                               l3_hit_tokens=done.l3_hit_tokens or 0, output_digest=done.output_digest,
+                               miss_tokens=done.miss_tokens)
         self.records.append(record)
         self.on_request_done(record)
