@@ -115,6 +115,32 @@ def step_ends(ctx: AdmissionContext) -> list[int]:
     return list(range(ctx.start_pages + chunk, ctx.end_pages, chunk)) + terminal_only(ctx)
 
 
+def align_mode(ctx: AdmissionContext) -> list[int]:
+    """vLLM's `mamba_cache_mode="align"` with its dense retention (v0.24.0; the paper's v0.27.1 era), the one
+    definition every "align" policy uses (the vllm-* baselines, histate-align's prompt half):
+    * prefill: a state at the end of every scheduler step, and only there; the scheduler cuts each step
+      on a block boundary and forces a step end at the prompt's last one (config/cache.py:133-141 "only
+      cache the mamba state of the last token of each scheduler step ... at position i * block_size";
+      v1/core/sched/scheduler.py:357-372 `num_new_tokens // block_size * block_size`, "force to cache
+      the last chunk"); the tail past it is prefilled with no state;
+    * decode: the state at every block boundary the output crosses, cached as the running state moves
+      to its next block (v1/core/kv_cache_manager.py:452-456 caches blocks every step,
+      v1/worker/mamba_utils.py:726-741 copies the state forward, single_type_kv_cache_manager.py:1084-1103
+      frees the old block with its hash). (vLLM since #52216 defaults to retaining only the replay
+      boundary and junctions: `vllm-current`.)
+    Step ends come from the executor (`step_ends`); decode crossings on the policy's block grid."""
+    return step_ends(ctx) + decode_crossings(ctx, ctx.config.block_pages)
+
+
+def turn_boundaries(ctx: AdmissionContext) -> list[int]:
+    """Marconi's turn-boundary admission (MLSys 2025) on vLLM's blocks: a state where each turn ends -- the
+    prompt's last block boundary and the last block boundary its output reached, which the next turn
+    resumes from -- and where the request branches off the cached path (vLLM's Marconi-style junction,
+    v1/core/sched/scheduler.py:377-385 in v0.24.0), nothing at interior step ends or other decode
+    crossings: the paper's "align mode with the turn-boundary checkpoint strategy of Marconi"."""
+    return terminal_and_branch(ctx) + last_decode_state(ctx, ctx.config.block_pages)
+
+
 def last_decode_state(ctx: AdmissionContext, grid_pages: int) -> list[int]:
     """The deepest decode position on an absolute `grid_pages` grid that the output crossed: the one
     state a finished request donates when decode tracks states on a grid (SGLang)."""

@@ -6,7 +6,7 @@ histate            adaptive intervals (eq. 5) + unified eviction (eq. 7) + asymm
 histate-no-depth   histate without the depth half of the prior (ablation of core/depth_prior.py)
 histate-paper      the paper's rules exactly: uniform interior prior, C = recompute for every eviction, the
                    neutral T_KV/T_state ratio until residences are observed (ablation of the departures)
-histate-align      admission replaced by vLLM's align rule (terminal state only)
+histate-align      admission replaced by vLLM's align rule (`base.align_mode`: a state at every prefill pass end)
 histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
 histate-sessions   the server under SGLang's --enable-session-radix-cache: units on a live session's path last,
@@ -29,7 +29,7 @@ histate-exclusive  simulator only: exclusive tiers (KV demoted GPU -> CPU -> SSD
 from __future__ import annotations
 
 from . import register_policy
-from .base import AdmissionContext, Policy, branch_point, fixed_grid, last_decode_state, terminal_only
+from .base import AdmissionContext, Policy, align_mode, branch_point, fixed_grid, last_decode_state
 from ..scoring import ScoringContext
 from ..config import SESSION_RANK_OFFSET_S
 from ..types import Tier, UnitKind
@@ -85,7 +85,10 @@ class HiStateAlign(HiState):
     name = "histate-align"
 
     def prompt_states(self, ctx: AdmissionContext) -> list[int]:
-        return terminal_only(ctx)
+        """vLLM's align rule for the prompt (`base.align_mode`, the definition the vllm-* baselines use):
+        a state at every prefill pass end, the prompt's last grid position included; decode states stay
+        the engine's, as for every histate variant."""
+        return [p for p in align_mode(ctx) if p <= ctx.end_pages]
 
 
 @register_policy

@@ -7,22 +7,24 @@ hashes, caches and hits whole blocks (`FullAttentionManager.find_longest_cache_h
 block_size); a state takes one block in each mamba group (3 blocks for Qwen3.5-9B). Block size and
 state size come from the model (`histate.sim.costs.vllm_hybrid_blocks`).
 
-Which states exist: align mode ends every prefill step on a block boundary and forces a step end at
-the last block boundary of the prompt (`Scheduler._mamba_block_aligned_split`); the state at each step
-end stays cached after the request moves on (`MambaManager.remove_skipped_blocks` frees it to the
-block pool, where it remains hashed until reused); decode caches the state at every block boundary
-it crosses (`MambaManager.allocate_new_blocks`). Plus Marconi's branch-off point (the paper's
-turn-boundary admission; newer vLLM's shared-prefix junction). Full KV blocks of prompt and output
+Which states exist: `base.align_mode` (file:line there, vLLM v0.24.0): align mode ends every prefill step on a
+block boundary and forces a step end at the last block boundary of the prompt; the state at each step
+end stays cached after the request moves on (freed to the block pool, where it remains hashed until
+reused); decode caches the state at every block boundary it crosses. Plus Marconi's branch-off point
+(the paper's turn-boundary admission; vLLM's shared-prefix junction). Full KV blocks of prompt and output
 are cached. Eviction: block LRU.
 
 vllm-marconi  one shared GPU block pool for KV and states.
 vllm-cpu      the same plus write-through offload to CPU DRAM, LRU in every tier.
 vllm-disk     the same plus write-through offload to CPU DRAM and disk.
+vllm-disk-turns  vllm-disk with Marconi's turn-boundary admission only (`base.turn_boundaries`): the state
+              where each turn's prompt and output end and at the branch-off point, no step-end or other
+              decode states (issue 28: the paper's vLLM-Disk* beside align mode's).
 """
 from __future__ import annotations
 
 from . import register_policy
-from .base import AdmissionContext, Policy, branch_point, decode_crossings, step_ends
+from .base import AdmissionContext, Policy, align_mode, branch_point, turn_boundaries
 from ..types import Tier
 
 
@@ -34,7 +36,7 @@ class VllmMarconi(Policy):
     engine = "vllm"
 
     def admit(self, ctx: AdmissionContext) -> list[int]:
-        return step_ends(ctx) + branch_point(ctx) + decode_crossings(ctx, ctx.config.block_pages)
+        return align_mode(ctx) + branch_point(ctx)
 
 
 @register_policy
@@ -49,3 +51,14 @@ class VllmDisk(VllmMarconi):
     name = "vllm-disk"
     tiers = (Tier.GPU, Tier.CPU, Tier.SSD)
     write_through = True
+
+
+@register_policy
+class VllmDiskTurns(VllmDisk):
+    """vllm-disk with Marconi's turn-boundary admission instead of align mode's step ends and decode
+    crossings (`turn_boundaries`): what the paper's vLLM-Disk* keeps, read as turn boundaries only."""
+
+    name = "vllm-disk-turns"
+
+    def admit(self, ctx: AdmissionContext) -> list[int]:
+        return turn_boundaries(ctx)
