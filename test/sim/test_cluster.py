@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from histate.core import MISS_REASONS
 from histate.sim.cluster import ClusterConfig, replay_cluster
 from histate.sim.l3 import KV, STATE, L3Store, L3StoreConfig
 from histate.sim.replay import GiB, ReplayConfig, replay
@@ -22,7 +23,8 @@ def test_one_server_without_l3_is_the_single_server_replay_request_by_request():
     for policy in ("histate", "sglang-hicache", "vllm-marconi"):
         single = replay(w, policy, TIGHT)
         cluster = replay_cluster(w, policy, TIGHT, ClusterConfig(num_servers=1))
-        key = lambda r: (r.uid, r.arrival_s, r.first_token_s, r.completion_s, r.reused_tokens, r.kv_hit_tokens)
+        key = lambda r: (r.uid, r.arrival_s, r.first_token_s, r.completion_s, r.reused_tokens, r.kv_hit_tokens,
+                         tuple(r.miss_tokens.items()))
         assert [key(r) for r in cluster.records] == [key(r) for r in single.records]
 
 
@@ -197,6 +199,8 @@ def test_a_moved_session_restores_its_old_servers_l3_pages(policy):
     assert run.l3_hit_tokens_by_uid[1] == 640
     assert by_uid[1].reused_tokens == 640
     assert 1 in run.first_after_move_uids
+    # miss reasons count the L3 pages as reused: only the 2 new pages are left, and no request had them
+    assert by_uid[1].miss_tokens == {**dict.fromkeys(MISS_REASONS, 0), "no_prefix": 128}
 
 
 def test_without_l3_the_moved_session_recomputes():

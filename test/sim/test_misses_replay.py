@@ -70,3 +70,14 @@ def test_the_cli_writes_a_column_per_reason_and_the_plot(tmp_path, capsys):
     for name, s in summary["policies"].items():
         assert sum(s["miss_tokens_by_reason"].values()) == s["input_tokens"] - s["reused_tokens"], name
     assert (tmp_path / "miss_reasons.png").stat().st_size > 10_000
+
+
+def test_a_cluster_replay_with_l3_attributes_every_request():
+    from histate.sim.cluster import ClusterConfig, replay_cluster
+    from histate.sim.l3 import L3StoreConfig
+
+    run = replay_cluster(default_workload(seed=0), "histate", TIGHT,
+                         ClusterConfig(num_servers=2, l3_store=L3StoreConfig(20 * 10**9), fail_server=(0, 1800.0)))
+    assert run.records and sum(run.l3_hit_tokens_by_uid.values()) > 0  # L3 served the moved sessions
+    for rec in run.records:
+        assert sum(rec.miss_tokens.values()) == rec.input_tokens - rec.reused_tokens, rec.uid

@@ -47,8 +47,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional
 
-from ..core import (HybridPrefixCache, L3Ledger, L3LedgerConfig, L3WriteConfig, Tier, fleet_share_bytes, make_policy,
-                    plan_l3_writes)
+from ..core import (HybridPrefixCache, L3Ledger, L3LedgerConfig, L3WriteConfig, MissHistory, MissRecorder, Tier,
+                    attribute_misses, fleet_share_bytes, make_policy, plan_l3_writes)
 from .admission import CacheGate, engine_profile
 from .costs import get_model
 from .engine import Engine, EngineRequest, EventKind
@@ -172,6 +172,12 @@ class _L3Gate(CacheGate):
             self.l3_pages.setdefault(req.request_id, 0)
             return admitted
         pages, size_bytes = found
+        if req.request_id not in self.l3_pages and held.misses is not None:
+            # first admission: the L3 pages are reused too; the reasons cover what is left (core/misses.py)
+            match = held.lease.match
+            kv_pages = max(match.num_kv_pages, pages)
+            held_kv = max(match.num_kv_pages if match.num_held_kv_pages is None else match.num_held_kv_pages, kv_pages)
+            held.misses = attribute_misses(keys, context_num_tokens, P, kv_pages, pages, self.misses, held_kv)
         self.l3_pages.setdefault(req.request_id, pages - local_pages)
         return replace(admitted, num_compute_tokens=context_num_tokens - pages * P, l3_restore_bytes=size_bytes)
 
@@ -185,12 +191,14 @@ class _Server:
         rules = make_policy(policy)
         model = get_model(config.model)
         self.cache = HybridPrefixCache(config.cache_config(workload.page_num_tokens, rules), rules)
+        misses = MissHistory(max_keys=None)  # why requests missed (core/misses.py), as replay._Replay
+        self.cache.observer = MissRecorder(misses)
         self.profile = engine_profile(rules, model, config.engine, workload.page_num_tokens, config.engine_name)
         self.l3_rule = l3_rule
         self.cluster = cluster
         self.gate = _L3Gate(self.cache, self.profile, self._charge_writes, None,
                             on_finish_insert=self._write_l3 if l3_rule else None,
-                            l3_lookup=self._read_l3 if l3_rule else None)
+                            l3_lookup=self._read_l3 if l3_rule else None, misses=misses)
         self.engine = Engine(model, config.resolved_hardware(), self.profile.engine, config.step_cost, self.gate,
                              l3_link=cluster.cluster.l3_link if l3_rule else None)
         self.written = {Tier.CPU: 0, Tier.SSD: 0}
@@ -439,6 +447,8 @@ class _ClusterReplay(SessionDriver):
         record, run = server.in_flight.pop(uid)
         match = server.gate.first_match(uid)
         record.matched_s = server.gate.first_match_s(uid)
+        misses = server.gate.first_misses(uid)
+        record.miss_tokens = None if misses is None else dict(misses.tokens_by_reason)
         server.gate.finish(uid, timing.step_end_tokens, t)
         P = self.page_num_tokens
         l3_pages = server.gate.l3_pages.pop(uid, 0)
