@@ -18,7 +18,9 @@ state chunk), the unit c is measured in; the KV match is floored to it.
 
 Counted once per request, at its last match before it ran (`commit`): the scheduler matches a request
 again when it retries admission, and each match replaces the attribution it carries. Every TP rank
-keeps the same history from the same agreed events; only the attribution's numbers leave the process.
+keeps the same history from the same agreed events (the one local read, whether an orphan's SSD copy is
+still in this rank's store, can only relabel not_restored as kv_evicted); nothing here feeds a cache
+decision, only the numbers a response and /metrics carry.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ META_INFO_KEY = "histate_miss"
 
 
 class MissTracker:
+    """The plugin's `MissHistory` and what it takes to feed it from SGLang's tree (module docstring)."""
+
     def __init__(self, grid_tokens: int, max_keys: Optional[int]):
         self.grid_tokens = grid_tokens
         self.history = MissHistory(max_keys)
