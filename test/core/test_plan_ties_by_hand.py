@@ -23,3 +23,16 @@ def test_equal_costs_keep_the_sparser_plan():
 def test_a_cheaper_denser_plan_still_wins():
     """The same segment with N_s = 0.5: interval 2 costs 0.5 + 0.25 = 0.75 < 1.25."""
     assert plan_positions(0, 3, 0.5, 1.0, [2, 4], near_end_probs=[0.25]) == [2]
+
+
+def test_a_tie_reached_only_after_the_learned_part_keeps_the_sparser_plan():
+    """A tie the grid alone does not show (so the pruning of intervals whose grid cost cannot win lets
+    the denser one through): a 4-page segment, one checkpoint costs 1.25 (N_s = 1.25 pages, ratio 1),
+    intervals {2, 4}, p'_1 = 0.25 (page 3), uniform share 0.75.
+      * interval 4: uniform (0 + 1 + 2 + 3) / 4 = 1.5, times 0.75 = 1.125; the hit at page 3 recomputes
+        3 pages, times 0.25 = 0.75 (adding page 3 would save 0.75 < 1.25). Total 1.875.
+      * interval 2: the checkpoint at 2 costs 1.25; uniform (0 + 1 + 0 + 1) / 4 = 0.5, times 0.75 =
+        0.375 (grid alone 1.625 < 1.875: not pruned); the hit at 3 recomputes 1 page, 0.25. Total 1.875.
+    Equal: the sparser plan wins."""
+    assert plan_positions(0, 4, 1.25, 1.0, [2, 4], near_end_probs=[0.25]) == []
+    assert plan_positions(0, 4, 1.2, 1.0, [2, 4], near_end_probs=[0.25]) == [2]  # a hair cheaper: denser
