@@ -54,3 +54,27 @@ def test_node_keys_equal_the_prompts_keys_however_the_tree_cuts_it():
         assert got == want
         assert all(hasher.key_at_end(core_of(n)) == (core_of(n).depth_pages, _reference(tokens, core_of(n).depth_pages))
                    for n in nodes)
+
+
+def test_a_namespace_seeds_the_keys_so_two_tenants_never_share_one():
+    """SGLang keeps one tree per (extra_key, cache_salt): equal tokens under another salt must not find
+    this tenant's departures (miss_tracker.py reads them by key)."""
+    from histate.sglang_plugin.prefix_keys import namespace_seed
+
+    tokens = list(range(3 * GRID))
+    hasher = PrefixHasher()
+    plain = hasher.page_keys(tokens, GRID, 3)
+    salted = hasher.page_keys(tokens, GRID, 3, namespace_seed(None, "tenant-b"))
+    assert namespace_seed() == 0 and not set(plain) & set(salted)
+    (node,) = _chain(tokens, [])
+    node.key.cache_salt = "tenant-b"
+    assert hasher.node_page_keys(core_of(node), GRID) == salted
+
+
+def test_a_context_extends_the_prompts_keys_without_hashing_the_prompt_again():
+    tokens = [7 * i % 500 for i in range(5 * GRID + 3)]
+    hasher = PrefixHasher()
+    whole = hasher.page_keys(tokens, GRID, 5)
+    prompt = hasher.page_keys(tokens, GRID, 2)
+    rest = hasher.page_keys(tokens[2 * GRID:], GRID, 5, prompt[-1][1], 2)
+    assert prompt + rest == whole

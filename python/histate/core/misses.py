@@ -53,7 +53,9 @@ REASONS = ("no_prefix", "never_cached", "kv_evicted", "state_evicted", "no_check
 """Every reason, in the order reports and plots list them."""
 
 DEFAULT_MAX_KEYS = 1 << 18
-"""Departures the server remembers (~40 MB): past that, the oldest are forgotten (read as no_prefix)."""
+"""Departures (and, separately, seen context pages) the server remembers: past that, the oldest are
+forgotten (read as no_prefix). Measured with the server's (depth, hash) keys: 81 MB of departures and
+56 MB of seen pages at the bound."""
 
 
 @dataclass(frozen=True, slots=True)

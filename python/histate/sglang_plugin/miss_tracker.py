@@ -24,6 +24,7 @@ decision, only the numbers a response and /metrics carry.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -32,10 +33,13 @@ import numpy as np
 from histate.core import SGLANG_TIER_NAMES, Departure, MissAttribution, MissHistory, Tier, attribute_misses
 
 from .core_nodes import CoreNode
-from .prefix_keys import PrefixHasher
+from .prefix_keys import PrefixHasher, key_seed
 
 MISS_ATTR = "_hs_misses"
 """Underscore attribute on SGLang's `Req`: the `MissAttribution` of its latest match."""
+
+KEYS_ATTR = "_hs_miss_keys"
+"""Underscore attribute on SGLang's `Req`: (match key tokens, namespace seed, page keys), memoized."""
 
 META_INFO_KEY = "histate_miss"
 """The response's meta_info key (request-level customized info, one dict per request)."""
@@ -84,22 +88,26 @@ class MissTracker:
         while len(self._copies) > (self.history.max_keys or len(self._copies)):
             self._copies.popitem(last=False)
 
-    def _settle_copies(self, keys: list) -> None:
-        """Departures of `keys` (a request's missed pages, in order) that said a copy stays on the SSD: if
-        it is gone now (trimmed by the SSD's own eviction, or by the store for room), the page was evicted
-        from storage; so is every later page, whose copy SGLang's prefetch cannot reach past the gap (it
-        reads storage from the end of the host match, contiguously)."""
-        broken = False
+    def _gap_pages(self, keys: list) -> int:
+        """Of a request's missed pages (in order), how many read not_restored only because a copy of a
+        deleted node stays on the SSD, yet lie past a page that is not coming back (no copy, or one the
+        SSD trimmed since: SGLang's storage prefetch reads contiguously from the end of the host match,
+        so nothing past a gap can return). A trimmed copy is recorded as evicted from storage (the one
+        fact this request learned about the page); the gap itself is this request's, not the pages'."""
+        broken, moved = False, 0
         for key in keys:
             departure = self.history.kv_departure(key)
             if departure is None or not departure.below:
                 broken = True
                 continue
             copy, ssd = self._copies.get(key, (None, None))
-            if broken or copy is None or not ssd.has_copy(copy):
+            if copy is None or not ssd.has_copy(copy):
                 self._copies.pop(key, None)
                 self.history.kv_gone(key, Departure(departure.time_s, Tier.SSD, None))
                 broken = True
+            elif broken:
+                moved += 1
+        return moved
 
     def on_checkpoint_placed(self, node: CoreNode) -> None:
         if node.depth_pages % self.grid_tokens == 0:
@@ -107,24 +115,53 @@ class MissTracker:
 
     # --- attribution --------------------------------------------------------------------------------
 
-    def attribute(self, key_tokens: Any, prompt_tokens: int, kv_tokens: int, reused_tokens: int) -> MissAttribution:
-        """Reasons for the `prompt_tokens - reused_tokens` uncached tokens of a request whose match key is
-        `key_tokens` (SGLang matches at most the first L-1 tokens: the last one is always prefilled)."""
+    def page_keys(self, req: Any, key: Any, num_key_tokens: int) -> list:
+        """The request's page keys over its match key's first `num_key_tokens` tokens, memoized on the
+        request (SGLang matches a waiting request again every round it is not admitted)."""
+        seed = key_seed(key)
+        memo = getattr(req, KEYS_ATTR, None)
+        if memo is not None and memo[0] == num_key_tokens and memo[1] == seed:
+            return memo[2]
         grid = self.grid_tokens
-        num_pages = len(key_tokens) // grid
-        keys = self.hasher.page_keys(key_tokens, grid, num_pages)
-        kv_pages = min(kv_tokens // grid, num_pages)
-        if self._copies:
-            self._settle_copies(keys[kv_pages:])
-        return attribute_misses(keys, prompt_tokens, grid, kv_pages, min(reused_tokens // grid, kv_pages),
-                                self.history)
+        keys = self.hasher.page_keys(key.token_ids[:num_key_tokens], grid, num_key_tokens // grid, seed)
+        try:
+            setattr(req, KEYS_ATTR, (num_key_tokens, seed, keys))
+        except AttributeError:  # a stand-in without attributes: no memo
+            pass
+        return keys
 
-    def saw_context(self, prompt: Any, output: Any = ()) -> None:
-        """A request left with `prompt` + `output` tokens: later ones sharing them had a shared prefix
-        (never_cached, not no_prefix, where this cache did not keep them)."""
-        tokens = np.concatenate([np.asarray(prompt, dtype=np.int64), np.asarray(output, dtype=np.int64)])
+    def attribute(self, keys: list, prompt_tokens: int, kv_tokens: int, reused_tokens: int) -> MissAttribution:
+        """Reasons for the `prompt_tokens - reused_tokens` uncached tokens of a request with page keys
+        `keys` (over at most its first L-1 tokens: SGLang always prefills the last one)."""
         grid = self.grid_tokens
-        self.history.saw_context(self.hasher.page_keys(tokens, grid, len(tokens) // grid))
+        kv_pages = min(kv_tokens // grid, len(keys))
+        moved = self._gap_pages(keys[kv_pages:]) if self._copies else 0
+        attribution = attribute_misses(keys, prompt_tokens, grid, kv_pages, min(reused_tokens // grid, kv_pages),
+                                       self.history)
+        if not moved:
+            return attribution
+        tokens = dict(attribution.tokens_by_reason)
+        tokens["not_restored"] -= moved * grid
+        tokens["kv_evicted"] += moved * grid
+        return dataclasses.replace(attribution, tokens_by_reason=tokens)
+
+    def saw_context(self, req: Any, output: Any = ()) -> None:
+        """A request left: later ones sharing its prompt and output had a shared prefix (never_cached,
+        not no_prefix, where this cache did not keep them). Extends its memoized prompt keys over the
+        rest of its context, so the prompt is not hashed again."""
+        memo = getattr(req, KEYS_ATTR, None)
+        origin = getattr(req, "origin_input_ids", None)
+        if memo is None or origin is None:
+            return
+        _, seed, keys = memo
+        grid = self.grid_tokens
+        start_pages = len(keys)
+        start_hash = keys[-1][1] if keys else seed
+        tail = np.concatenate([np.asarray(origin[start_pages * grid:], dtype=np.int64),
+                               np.asarray(output, dtype=np.int64)])
+        total_pages = start_pages + len(tail) // grid
+        more = self.hasher.page_keys(tail, grid, total_pages, start_hash, start_pages)
+        self.history.saw_context(keys + more)
 
 
 def as_meta_info(attribution: MissAttribution, now_s: float) -> dict:

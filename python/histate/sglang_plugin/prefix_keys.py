@@ -10,16 +10,34 @@ own tokens in one numpy pass. A node keeps H at its end once computed (`CoreNode
 prefix never changes (SGLang splits cut an edge from the front, the child keeps its end), so the cost
 is one pass over the tokens a key is asked for, not one per eviction of a deep node. A collision makes a
 diagnosis wrong, never a cache decision: these keys feed only the attribution.
+
+SGLang keeps one tree per namespace (a LoRA's `extra_key`, a tenant's `cache_salt`): H(0) is a seed
+drawn from the namespace (`namespace_seed`), so equal tokens under two salts have different keys and one
+tenant's departures never explain another's misses.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import hashlib
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .core_nodes import CoreNode, core_of
 
 _BASE = 0x9E3779B97F4A7C15  # odd: B^j never reaches 0 mod 2^64
+
+
+def namespace_seed(extra_key: Optional[str] = None, cache_salt: Optional[str] = None) -> int:
+    """H(0) of a namespace: 0 for the default one, else 64 bits of BLAKE2b of (extra_key, cache_salt)."""
+    if extra_key is None and cache_salt is None:
+        return 0
+    digest = hashlib.blake2b(repr((extra_key, cache_salt)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def key_seed(key: Any) -> int:
+    """The namespace seed of an SGLang `RadixKey` (a node's edge or a request's match key)."""
+    return namespace_seed(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
 
 
 class PrefixHasher:
@@ -44,29 +62,37 @@ class PrefixHasher:
         terms = (np.asarray(tokens, dtype=np.uint64) + np.uint64(1)) * self._powers_from(start, len(tokens))
         return np.cumsum(terms, dtype=np.uint64) + np.uint64(start_hash)
 
-    def page_keys(self, tokens: Sequence[int], grid_tokens: int, num_pages: int) -> list:
-        """Keys of the first `num_pages` grid page ends of a prompt: [(g, H(g)) for g = G, 2G, ...]."""
-        hashes = self.prefix_hashes(0, 0, tokens[:num_pages * grid_tokens])
-        return [(g, int(hashes[g - 1])) for g in range(grid_tokens, num_pages * grid_tokens + 1, grid_tokens)]
+    def page_keys(self, tokens: Sequence[int], grid_tokens: int, num_pages: int, seed: int = 0,
+                  start_pages: int = 0) -> list:
+        """Keys of grid page ends start_pages+1 .. num_pages of a prompt, [(g, H(g))], given `tokens` from
+        token start_pages * G on and H there = `seed` (the namespace seed when starting at 0)."""
+        start = start_pages * grid_tokens
+        hashes = self.prefix_hashes(seed, start, tokens[:(num_pages - start_pages) * grid_tokens])
+        return [(g, int(hashes[g - start - 1]))
+                for g in range(start + grid_tokens, num_pages * grid_tokens + 1, grid_tokens)]
 
     def node_page_keys(self, node: CoreNode, grid_tokens: int) -> list:
         """Keys of the grid page ends inside `node`'s edge (start, end], and H at its end memoized."""
         end = node.depth_pages
         start = end - len(node.sg.key)
-        start_hash = self.end_hash(node.parent) if node.sg.parent is not None else 0
+        seed = key_seed(node.sg.key)
+        start_hash = self.end_hash(node.parent, seed) if node.sg.parent is not None else seed
         hashes = self.prefix_hashes(start_hash, start, _edge_tokens(node.sg))
         if len(hashes):
             node.prefix_hash = int(hashes[-1])
         first = (start // grid_tokens + 1) * grid_tokens
         return [(g, int(hashes[g - start - 1])) for g in range(first, end + 1, grid_tokens)]
 
-    def end_hash(self, node: CoreNode) -> int:
-        """H at `node`'s end (0 at the root), computing the missing ones on its path top down."""
+    def end_hash(self, node: CoreNode, seed: Optional[int] = None) -> int:
+        """H at `node`'s end (the namespace seed at the root: `seed`, else read off `node`'s own key),
+        computing the missing ones on its path top down."""
+        if seed is None:
+            seed = key_seed(node.sg.key) if node.sg.parent is not None else 0
         pending = []
         while node.prefix_hash is None and node.sg.parent is not None:
             pending.append(node)
             node = core_of(node.sg.parent)
-        value = 0 if node.sg.parent is None else node.prefix_hash
+        value = seed if node.sg.parent is None else node.prefix_hash
         for n in reversed(pending):
             end = n.depth_pages
             tokens = _edge_tokens(n.sg)

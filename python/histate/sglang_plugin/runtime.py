@@ -139,7 +139,7 @@ class HiStateRuntime:
     # --- matches -----------------------------------------------------------------------------------
 
     def on_match(self, last_sg: Any, kv_match_tokens: int, req: Any, input_tokens: int,
-                 now_s: float, key_tokens: Any = None) -> Optional[CoreNode]:
+                 now_s: float, key: Any = None) -> Optional[CoreNode]:
         """Core `begin_request` semantics on SGLang's match: refresh KV along the matched path, the used
         checkpoint (the deepest one on it in any tier, as the core's c) and, for refresh-all policies,
         every checkpoint above it; once per request, learn q and the near-end prior and count the hit
@@ -162,19 +162,19 @@ class HiStateRuntime:
             mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
             self.metrics.record_match(input_tokens=input_tokens, reused_tokens=ckpt_node.depth_pages if mask else 0,
                                       tier=SGLANG_TIER_NAMES[fastest_tier(mask)] if mask else None)
-        if req is not None and self.misses is not None and key_tokens is not None:
-            self._attribute_misses(req, key_tokens, kv_match_tokens, ckpt_node, now_s)
+        if req is not None and self.misses is not None and key is not None:
+            self._attribute_misses(req, key, kv_match_tokens, ckpt_node, now_s)
         return ckpt_node
 
-    def _attribute_misses(self, req: Any, key_tokens: Any, kv_match_tokens: int, ckpt_node: Optional[CoreNode],
+    def _attribute_misses(self, req: Any, key: Any, kv_match_tokens: int, ckpt_node: Optional[CoreNode],
                           now_s: float) -> None:
         """Why this match leaves tokens uncached (miss_tracker.py): kept on the request (the latest match
-        wins; counted once it runs) and in its response's meta_info."""
+        wins; counted once it leaves) and in its response's meta_info. `key`: SGLang's match key."""
         origin = getattr(req, "origin_input_ids", None)
-        prompt_tokens = len(origin) if origin is not None else len(key_tokens) + 1
-        key = key_tokens[:min(len(key_tokens), prompt_tokens - 1)]
+        prompt_tokens = len(origin) if origin is not None else len(key) + 1
+        keys = self.misses.page_keys(req, key, min(len(key), prompt_tokens - 1))
         reused = ckpt_node.depth_pages if ckpt_node is not None else 0
-        attribution = self.misses.attribute(key, prompt_tokens, kv_match_tokens, reused)
+        attribution = self.misses.attribute(keys, prompt_tokens, kv_match_tokens, reused)
         setattr(req, MISS_ATTR, attribution)
         info = getattr(req, "customized_info", None)
         if info is None:
@@ -192,9 +192,7 @@ class HiStateRuntime:
         if attribution is not None and not getattr(req, "_hs_misses_counted", False):
             req._hs_misses_counted = True
             self.metrics.record_misses(attribution.tokens_by_reason)
-            origin = getattr(req, "origin_input_ids", None)
-            if origin is not None:
-                self.misses.saw_context(origin, getattr(req, "output_ids", None) or ())
+            self.misses.saw_context(req, getattr(req, "output_ids", None) or ())
 
     def on_node_removed(self, node: CoreNode) -> None:
         """SGLang unlinked `node` (eviction, or a tombstone chain it cleaned up)."""

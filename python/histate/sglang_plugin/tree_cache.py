@@ -288,7 +288,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         visited = result.last_visited_node_id
         last = self.tree_core.node_by_id(visited if visited is not None else result.best_match_node)
         ckpt_node = runtime.on_match(last, result.full_kv_hit_length, params.req, len(params.key), runtime.now(),
-                                     key_tokens=params.key.token_ids[:len(params.key)] if runtime.misses else None)
+                                     key=params.key if runtime.misses is not None else None)
         if params.req is not None and runtime.ssd_tier is not None and hasattr(params.req, "cache_request_handle"):
             runtime.ssd_tier.note_match(params.req.cache_request_handle, ckpt_node)
         if params.req is not None:
