@@ -76,16 +76,12 @@ def _plot(table: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from histate.sim.report import COLOURS
+    from histate.sim.report import stack_miss_reasons
 
     rows = list(table)
     fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 4.2), sharey=True)
     for ax, row in zip(axes if len(rows) > 1 else [axes], rows):
-        bottoms = [0.0] * len(POLICIES)
-        for i, reason in enumerate(MISS_REASONS):
-            values = [100 * table[row][p][reason] for p in POLICIES]
-            ax.bar(POLICIES, values, bottom=bottoms, color=COLOURS[i], label=reason)
-            bottoms = [b + v for b, v in zip(bottoms, values)]
+        stack_miss_reasons(ax, {p: {r: 100 * table[row][p][r] for r in MISS_REASONS} for p in POLICIES})
         ax.set_title(row, fontsize=9)
         ax.tick_params(axis="x", labelrotation=60, labelsize=7)
         ax.grid(axis="y", alpha=0.3)

@@ -40,6 +40,11 @@ def mutation_stats(run) -> dict:
     return out
 
 
+def _reasons_text(stats: dict) -> str:
+    """`reason tokens` for each reason a mutation request recomputes at least half a token of."""
+    return ", ".join(f"{r} {stats['miss_' + r]:.0f}" for r in MISS_REASONS if stats["miss_" + r] >= 0.5)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.10])
@@ -74,14 +79,12 @@ def main() -> int:
                   f"{h['mutation_hit_rate']:.1%} vs {d['mutation_hit_rate']:.1%}; p99 TTFT "
                   f"{h['p99_ttft_s']:.2f}s vs {d['p99_ttft_s']:.2f}s  ({len(args.seeds)} seeds)", flush=True)
             print(f"{'':>24}why its mutation requests recompute (tokens per request, median over seeds): "
-                  + ", ".join(f"{r} {h['miss_' + r]:.0f}" for r in MISS_REASONS if h["miss_" + r] >= 0.5), flush=True)
+                  f"{_reasons_text(h)}", flush=True)
             if args.per_seed:
                 for seed, s in zip(args.seeds, per_seed):
                     if s[p]["mutation_requests"]:
                         print(f"{'':>24}seed {seed}: {s[p]['mutation_ttft_mean_s'] / s[base]['mutation_ttft_mean_s'] - 1:+.1%}"
-                              f" over {s[p]['mutation_requests']} requests; "
-                              + ", ".join(f"{r} {s[p]['miss_' + r]:.0f}" for r in MISS_REASONS if s[p]["miss_" + r] >= 0.5),
-                              flush=True)
+                              f" over {s[p]['mutation_requests']} requests; {_reasons_text(s[p])}", flush=True)
     _plot(rows, args.out, policies)
     return 0
 

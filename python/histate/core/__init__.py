@@ -11,8 +11,8 @@ from .config import (DECODE_TRACK_INTERVAL_TOKENS, DEFAULT_CHUNK_PAGES, DEFAULT_
                      DEFAULT_INTERVALS_TOKENS, DEFAULT_RESTORE_COST_TOKENS, DEFAULT_TAU_S, DEFAULT_TERMINAL_HIT_PRIOR,
                      MIN_STAGING_SLOTS, SESSION_RANK_OFFSET_S, STATE_GRID_TOKENS, CacheConfig, default_staging_slots)
 from .interval import Ema, IntervalController, choose_interval_pages, continuous_optimum_pages, recompute_cost_pages
-from .misses import (DEFAULT_MAX_KEYS as MISS_HISTORY_MAX_KEYS, REASONS as MISS_REASONS, Departure, MissAttribution,
-                     MissHistory, MissRecorder, attribute_misses)
+from .misses import (DEFAULT_MAX_KEYS as MISS_HISTORY_MAX_KEYS, REASONS as MISS_REASONS, Departure, LatestDecision,
+                     MissAttribution, MissHistory, MissRecorder, attribute_misses)
 from .observer import CacheObserver, ObserverGroup
 from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
 from .tier_plan import TierPlan
@@ -35,7 +35,7 @@ __all__ = [
     "DEFAULT_TAU_S", "DEFAULT_TERMINAL_HIT_PRIOR", "Ema", "GPU_BIT", "HiStateError", "HybridPrefixCache",
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MIN_STAGING_SLOTS", "MatchResult",
     "PassCaptures", "Policy", "PolicyState", "RequestLease", "SESSION_RANK_OFFSET_S", "ShortPrefillFirst", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
-    "DeferredReoffers", "Departure", "MISS_HISTORY_MAX_KEYS", "MISS_REASONS", "MissAttribution", "MissHistory",
+    "DeferredReoffers", "Departure", "LatestDecision", "MISS_HISTORY_MAX_KEYS", "MISS_REASONS", "MissAttribution", "MissHistory",
     "MissRecorder", "ObserverGroup", "ScoringContext", "attribute_misses", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
     "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
     "continuous_optimum_pages", "default_staging_slots", "fastest_tier", "floor_cut", "make_cache", "make_policy", "prefill_work_tokens",

@@ -204,6 +204,26 @@ def attribute_misses(keys: Sequence[Hashable], input_tokens: int, page_tokens: i
     return MissAttribution(tokens, (kv_pages - reused_pages) * page_tokens, kv_first, state_departure)
 
 
+class LatestDecision:
+    """The latest eviction decision (node, tier, eq. 7 score), to stamp the departures it causes: the
+    items a decision removes are reported right after it (a bundle's KV and checkpoint both), before any
+    other decision; a unit moved down a tier reports nothing, and the next decision replaces it. An item
+    that leaves without one (a policy drop outside the evictor, a fault) gets no tier and no score."""
+
+    __slots__ = ("node", "tier", "score")
+
+    def __init__(self) -> None:
+        self.node = self.tier = self.score = None
+
+    def chose(self, node, tier: Tier, score: Optional[float]) -> None:
+        self.node, self.tier, self.score = node, tier, score
+
+    def departure(self, node, now_s: float, lost: bool = False, below: bool = False) -> Departure:
+        if node is self.node:
+            return Departure(now_s, self.tier, self.score, lost=lost, below=below)
+        return Departure(now_s, lost=lost, below=below)
+
+
 class MissRecorder(CacheObserver):
     """Feeds a `MissHistory` from a `HybridPrefixCache`'s events (the simulator's executor; the SGLang
     plugin records from its own hooks). Keys are the cache's page keys: a node's KV departs page by
@@ -211,20 +231,14 @@ class MissRecorder(CacheObserver):
 
     def __init__(self, history: MissHistory):
         self.history = history
-        # The latest eviction decision (node, tier, score): the items it removes are reported right after
-        # it (a bundle's KV and checkpoint both), before any other decision; a unit moved down a tier
-        # reports nothing, and the next decision replaces it.
-        self._chosen: tuple = (None, None, None)
+        self._decision = LatestDecision()
         self._faulting = False
 
     def on_unit_evicted(self, node, unit: UnitKind, tier: Tier, now_s: float, terms: tuple) -> None:
-        self._chosen = (node, tier, terms[3])
+        self._decision.chose(node, tier, terms[3])
 
     def on_item_gone(self, node, kind: ItemKind, now_s: float) -> None:
-        chosen, tier, score = self._chosen
-        if chosen is not node:  # a policy drop outside the evictor, or a fault
-            tier = score = None
-        departure = Departure(now_s, tier, score, lost=self._faulting)
+        departure = self._decision.departure(node, now_s, lost=self._faulting)
         if kind is ItemKind.KV:
             for key in node.keys:
                 self.history.kv_gone(key, departure)

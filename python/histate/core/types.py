@@ -103,6 +103,11 @@ class MatchResult:
     trajectory below that point: 0 = at its end (an append), k = k pages before it; None when farther
     than the near-end window or nothing matched. The evidence behind the learned reuse-position prior."""
 
+    @property
+    def held_kv_pages(self) -> int:
+        """`num_held_kv_pages`, or `num_kv_pages` when the match was not floored to a block."""
+        return self.num_kv_pages if self.num_held_kv_pages is None else self.num_held_kv_pages
+
 
 @dataclass(frozen=True, slots=True)
 class TierOp:

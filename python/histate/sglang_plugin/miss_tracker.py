@@ -30,7 +30,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from histate.core import SGLANG_TIER_NAMES, Departure, MissAttribution, MissHistory, Tier, attribute_misses
+from histate.core import (SGLANG_TIER_NAMES, Departure, LatestDecision, MissAttribution, MissHistory, Tier,
+                          attribute_misses)
 
 from .core_nodes import CoreNode
 from .prefix_keys import PrefixHasher, key_seed
@@ -52,24 +53,18 @@ class MissTracker:
         self.grid_tokens = grid_tokens
         self.history = MissHistory(max_keys)
         self.hasher = PrefixHasher()
-        self._chosen: tuple = (None, None, None)  # the latest eviction decision: (node, tier, score)
+        self._decision = LatestDecision()
         self._copies: OrderedDict = OrderedDict()  # key -> (store key, SsdTier) of a deleted node's SSD copy
 
     # --- departures ---------------------------------------------------------------------------------
 
     def on_evicted(self, node: CoreNode, tier: Tier, score: Optional[float]) -> None:
-        self._chosen = (node, tier, score)
-
-    def _departure(self, node: CoreNode, now_s: float, lost: bool = False, below: bool = False) -> Departure:
-        chosen, tier, score = self._chosen
-        if chosen is not node:
-            tier = score = None
-        return Departure(now_s, tier, score, lost=lost, below=below)
+        self._decision.chose(node, tier, score)
 
     def on_state_gone(self, node: CoreNode, now_s: float, lost: bool = False) -> None:
         """The last copy of the checkpoint at `node`'s end left (eviction, or a fault when `lost`)."""
         if node.depth_pages % self.grid_tokens == 0:
-            self.history.checkpoint_gone(self.hasher.key_at_end(node), self._departure(node, now_s, lost=lost))
+            self.history.checkpoint_gone(self.hasher.key_at_end(node), self._decision.departure(node, now_s, lost=lost))
 
     def on_node_removed(self, node: CoreNode, now_s: float, ssd: Any = None) -> None:
         """SGLang deleted `node`: the KV of its edge left the tree. If the SSD tier (`ssd`) holds its pages
@@ -77,7 +72,7 @@ class MissTracker:
         the store key of each page is kept to check, when a request misses it, whether the copy is still
         there (the SSD may have trimmed it since: then it was evicted from storage)."""
         below = bool(node.ssd_kv and ssd is not None)
-        departure = self._departure(node, now_s, below=below)
+        departure = self._decision.departure(node, now_s, below=below)
         for key in self.hasher.node_page_keys(node, self.grid_tokens):
             self.history.kv_gone(key, departure)
             if below:

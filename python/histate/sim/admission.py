@@ -214,7 +214,7 @@ class CacheGate(MemoryGate):
             held.first_match, held.first_match_s = m, now_s
             if self.misses is not None:
                 held.misses = attribute_misses(keys, context_num_tokens, self.page_num_tokens, m.num_kv_pages,
-                                               m.num_reused_pages, self.misses, m.num_held_kv_pages)
+                                               m.num_reused_pages, self.misses, m.held_kv_pages)
             if cache.policy.captures_in_pass:  # planned as the first pass is built (sglang_plugin/capture.py)
                 held.plan_pages = cache.plan_checkpoints(lease, self.match_pages(request.input_num_tokens))
         self.stats.admissions += 1

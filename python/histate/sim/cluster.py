@@ -176,7 +176,7 @@ class _L3Gate(CacheGate):
             # first admission: the L3 pages are reused too; the reasons cover what is left (core/misses.py)
             match = held.lease.match
             kv_pages = max(match.num_kv_pages, pages)
-            held_kv = max(match.num_kv_pages if match.num_held_kv_pages is None else match.num_held_kv_pages, kv_pages)
+            held_kv = max(match.held_kv_pages, kv_pages)
             held.misses = attribute_misses(keys, context_num_tokens, P, kv_pages, pages, self.misses, held_kv)
         self.l3_pages.setdefault(req.request_id, pages - local_pages)
         return replace(admitted, num_compute_tokens=context_num_tokens - pages * P, l3_restore_bytes=size_bytes)

@@ -278,7 +278,7 @@ class _Replay(SessionDriver):
         self.gate.finish(uid, timing.step_end_tokens, t)
         P = self.page_num_tokens
         record.kv_hit_tokens = match.num_kv_pages * P
-        record.kv_held_tokens = (match.num_kv_pages if match.num_held_kv_pages is None else match.num_held_kv_pages) * P
+        record.kv_held_tokens = match.held_kv_pages * P
         record.reused_tokens = min(match.num_reused_pages * P, record.input_tokens)
         record.restore_s = timing.restore_transfer_s
         record.completion_s = t

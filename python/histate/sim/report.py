@@ -251,15 +251,20 @@ def per_request_figure(runs, cohort, plt):
 def miss_reasons_figure(misses: Mapping[str, dict], input_tokens: Mapping[str, int], plt):
     """One stacked bar per policy: its uncached input tokens split by reason, as shares of its input."""
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(misses) + 3), 4.5))
-    names = list(misses)
-    bottoms = [0.0] * len(names)
-    for i, reason in enumerate(MISS_REASONS):
-        shares = [misses[n][reason] / max(input_tokens[n], 1) for n in names]
-        ax.bar(names, shares, bottom=bottoms, label=reason, color=COLOURS[i % len(COLOURS)])
-        bottoms = [b + s for b, s in zip(bottoms, shares)]
+    stack_miss_reasons(ax, {n: {r: misses[n][r] / max(input_tokens[n], 1) for r in MISS_REASONS} for n in misses})
     ax.set_ylabel("share of input tokens not served from cache")
     ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title("Why input tokens missed, per policy (simulated; docs/misses.md)", fontsize=9)
     return fig
+
+
+def stack_miss_reasons(ax, shares: Mapping[str, Mapping[str, float]]) -> None:
+    """One bar per name, stacked by reason in MISS_REASONS order, one colour per reason (the legend's)."""
+    names = list(shares)
+    bottoms = [0.0] * len(names)
+    for i, reason in enumerate(MISS_REASONS):
+        heights = [shares[n][reason] for n in names]
+        ax.bar(names, heights, bottom=bottoms, label=reason, color=COLOURS[i % len(COLOURS)])
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
