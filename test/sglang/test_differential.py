@@ -29,6 +29,7 @@ Outputs are not decoded here (the rig runs prefills), so the simulator caches no
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -60,8 +61,14 @@ TRACE = AgentWorkloadConfig(
     max_context_num_tokens=None, seed=5)
 
 
-def _stream():
-    per_session = [s.requests for s in agent_workload(TRACE, name="differential").iter_sessions()]
+# Application-placed checkpoints (docs/hints.md): every request names the end of a 5-page system prompt,
+# a position eq. 5's grid (even page counts here) never plans, sent to the plugin through SGLang's
+# custom_params as a client would.
+HINTED_TRACE = dataclasses.replace(TRACE, system_prompt_num_tokens=5 * GRID, hint_system_prompt=True)
+
+
+def _stream(trace: AgentWorkloadConfig = TRACE):
+    per_session = [s.requests for s in agent_workload(trace, name="differential").iter_sessions()]
     for turn in itertools.zip_longest(*per_session):
         yield from (r for r in turn if r is not None)
 
@@ -226,7 +233,9 @@ def _sim_path(cache: HybridPrefixCache, keys: tuple) -> list:
     return out
 
 
-def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plugins, monkeypatch, tmp_path):
+@pytest.mark.parametrize("hinted", [False, True], ids=["plain", "hinted"])
+def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plugins, monkeypatch, tmp_path, hinted):
+    from histate.sglang_plugin.checkpoint_hints import HINTS_KEY
     from histate.sglang_plugin.config import resolve_config
 
     gdn_kernels.install(monkeypatch)
@@ -242,7 +251,8 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
     compared = checkpoints = homed = resumed = 0
     reasons_seen: set = set()
     states = _ColdStates(rig)
-    for i, request in enumerate(_stream()):
+    resumed_at_hint = 0
+    for i, request in enumerate(_stream(HINTED_TRACE if hinted else TRACE)):
         clock[0] = float(i)
         tokens = tokens_of(request)
         # simulator
@@ -255,6 +265,8 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
         gate.finish(request.uid, sim_ends, clock[0])
         # plugin
         req = rig.request(f"r{i}", tokens)
+        if request.checkpoint_hint_tokens:
+            req.sampling_params.custom_params = {HINTS_KEY: list(request.checkpoint_hint_tokens)}
         seen: set = set()
         plugin_ends = _plugin_serve(rig, req, lambda: states.check(req.rid, tokens, seen))
         rig.forget(req.rid)
@@ -267,6 +279,11 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
         assert plugin_ends == sim_ends, (i, plugin_ends, sim_ends)
         reused, branch = req._hs_admitted
         assert reused == match.num_reused_pages * GRID, (i, reused, match)
+        if hinted and request.index == 0 and i > 0:
+            # a later session's first turn shares exactly the system prompt with the first session's,
+            # whose pass kept the named state there: it resumes at the hint, in both
+            assert reused == HINTED_TRACE.system_prompt_num_tokens, (i, reused)
+            resumed_at_hint += 1
         # the same miss reasons, request by request (core/misses.py; no eviction here: no_prefix,
         # no_checkpoint and page_boundary)
         assert dict(req._hs_misses.tokens_by_reason) == sim_misses, (i, req._hs_misses, sim_misses)
@@ -286,6 +303,7 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
     # The stream exercises what it compares (counts of this seeded run: 24 requests, 47 planned interior
     # positions, 160 checkpoints on request paths, 136 of them historical and on SSD alone).
     assert compared == 24 and homed >= 100 and checkpoints - homed >= 20
+    assert resumed_at_hint == (HINTED_TRACE.num_sessions - 1 if hinted else 0)
     assert reasons_seen == {"no_prefix", "no_checkpoint", "page_boundary"}, reasons_seen
     assert gate.stats.captured_interior == gate.stats.planned_interior >= 30 and gate.stats.off_grid == 0
     # Both learned the same reuse-position prior from the same matches: the plugin's token-unit matches

@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     given.add_argument("--synthetic", choices=("agent", "mutation"),
                        help="synthetic workload instead of --trace: agent (default) or the paper's mutation microbenchmark")
     src.add_argument("--format", choices=("weka", "tracelab", "mooncake"), default="weka", help="trace format (default weka)")
+    src.add_argument("--checkpoint-hints", choices=("off", "system-prompt"), default="off",
+                     help="synthetic agent workload: each request names the end of the shared system prompt as a "
+                          "checkpoint position, as an application using the server's hints API would "
+                          "(docs/hints.md; policies without the API ignore it; default off)")
     src.add_argument("--mutation-rate", type=number("", at_least=0, at_most=1),
                      help="--synthetic mutation: rate of truncations (0.05)")
     src.add_argument("--preset", choices=tuple(PRESETS), default="default",

@@ -27,6 +27,9 @@ def resolve_workload_settings(args, model_name: str) -> dict:
             raise ValueError(f"{', '.join(ignored)}: applies to --trace only (synthetic workloads set their own)")
     if args.mutation_rate is not None and args.synthetic != "mutation":
         raise ValueError("--mutation-rate: applies to --synthetic mutation only")
+    if getattr(args, "checkpoint_hints", "off") != "off" and (args.trace is not None or args.synthetic == "mutation"):
+        raise ValueError(f"--checkpoint-hints {args.checkpoint_hints}: applies to the synthetic agent workload only "
+                         "(traces carry no application positions; the mutation workload has no system prompt)")
 
     def pick(flag_value, preset_value):
         value = preset_value if flag_value is None else flag_value
@@ -54,7 +57,7 @@ def load_workload(args, settings: dict):
         return mutation_microbenchmark(rate, seed=args.seed)
     trace = args.trace
     if trace is None:
-        return demo_workload(seed=args.seed)
+        return demo_workload(seed=args.seed, hint_system_prompt=getattr(args, "checkpoint_hints", "off") != "off")
     if str(trace) == "-":
         trace = STDIN  # the loaders read pipes as they come (histate.sim.traces)
     if not trace.exists():

@@ -41,6 +41,7 @@ class RequestLease:
     now_s: float = 0.0
     is_open: bool = True
     pinned: list = field(default_factory=list)
+    hint_pages: tuple = ()  # depths the request names for checkpoints (PolicyState.plan, docs/hints.md)
 
 
 class HybridPrefixCache:
@@ -165,14 +166,25 @@ class HybridPrefixCache:
 
     # --- request life cycle ------------------------------------------------------------------
 
-    def begin_request(self, page_keys: Sequence, now_s: float) -> RequestLease:
+    def begin_request(self, page_keys: Sequence, now_s: float, hint_pages: Sequence[int] = ()) -> RequestLease:
         """Match, pin the matched path, refresh it, and bring the reused KV to the GPU.
+
+        `hint_pages`: checkpoint depths the request names (application-placed checkpoints); every
+        plan made for this lease includes those inside its segment, for policies that accept hints.
 
         Mutates: lock counts on the path, access times, KV tier masks (promotion), the terminal-hit EMA.
         """
         keys = list(page_keys)
         self.last_now_s = now_s
         result, path, partial, ckpt_node = self._match(keys)
+        if partial is not None and partial.start_pages < result.num_kv_pages:
+            # A match that ends inside a node splits it there, as SGLang's match does (the prefix is
+            # the node the request pins and refreshes); the unmatched rest keeps its own access time
+            # and stays evictable. Refreshing the whole node would make the rest look recently used
+            # (found by the plugin/simulator differential test: the learned priors diverged).
+            path.append(self.tree.split(partial, result.num_kv_pages - partial.start_pages, now_s))
+            self.evictor.touch(partial)
+            partial = None
         lock_node = partial if partial is not None else (path[-1] if path else None)
         self._lock(lock_node, +1)
         self.num_open_leases += 1
@@ -184,7 +196,7 @@ class HybridPrefixCache:
                 break
             if not node.kv_mask & GPU_BIT:
                 self.stats.bytes_promoted += self.placement.promote_kv(node, now_s)
-        return RequestLease(keys, result, lock_node, now_s)
+        return RequestLease(keys, result, lock_node, now_s, hint_pages=tuple(hint_pages))
 
     def plan_checkpoints(self, lease: RequestLease, num_pages: Optional[int] = None,
                          step_end_pages: Sequence[int] = (), output_end_pages: Optional[int] = None) -> list[int]:
@@ -196,7 +208,7 @@ class HybridPrefixCache:
         end = len(lease.page_keys) if num_pages is None else num_pages
         m = lease.match
         return self.state.plan(m.num_reused_pages, m.num_kv_pages, end, lease.now_s,
-                               tuple(step_end_pages), output_end_pages)
+                               tuple(step_end_pages), output_end_pages, lease.hint_pages)
 
     def finish_request(self, lease: RequestLease, page_keys: Optional[Sequence], now_s: float,
                        checkpoint_pages: Sequence[int] = (), session_id=None) -> "InsertResult":

@@ -157,15 +157,27 @@ class PolicyState:
     # --- admission (eq. 3-6) -----------------------------------------------------------------------
 
     def plan(self, start_pages: int, kv_match_pages: int, end_pages: int, now_s: float,
-             step_end_pages: tuple = (), output_end_pages: Optional[int] = None) -> list[int]:
+             step_end_pages: tuple = (), output_end_pages: Optional[int] = None,
+             hint_pages: Sequence[int] = ()) -> list[int]:
         """Checkpoint depths (pages) for a request's new segment (start, end] and, when the executor
-        caches the output, its decode states up to `output_end_pages`."""
+        caches the output, its decode states up to `output_end_pages`.
+
+        `hint_pages`: depths the request itself names (application-placed checkpoints, docs/hints.md).
+        A policy that accepts them plans each one inside (start, end] on top of its own rule: the
+        application knows where its stable prefix ends before any second request can show it, which
+        is the one case the observed branch point and the depth prior cannot cover (the first
+        session's pass). Hints outside the segment are already cached or not computed by this pass."""
         if self.policy.dense_checkpoints:
             return []
         depth_bins = self.depth_prior.bins_in(start_pages, end_pages) if self.depth_prior is not None else ()
         ctx = AdmissionContext(start_pages, kv_match_pages, end_pages, self.controller, self.config, now_s,
                                self._ctx.near_end_probs, depth_bins, step_end_pages, output_end_pages)
-        return self.policy.admit(ctx)
+        pages = self.policy.admit(ctx)
+        if hint_pages and self.policy.accepts_checkpoint_hints:
+            named = {h for h in hint_pages if start_pages < h <= end_pages}
+            if not named.issubset(pages):
+                pages = sorted(named.union(pages))
+        return pages
 
     # --- residence samples (T_KV, T_state of eq. 4) ------------------------------------------------
 

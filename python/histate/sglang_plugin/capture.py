@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from histate.core import split_pass
 
+from .checkpoint_hints import hints_of
 from .hooks import install_once
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def plan_of(req: Any, cache: Any, reused_tokens: int) -> list:
     if plan is None:
         # SGLang's own branch point (the grid position at the KV match end) is HiState's too.
         branch = getattr(req, "mamba_branching_seqlen", None)
-        plan = cache.plan_checkpoints(reused_tokens, len(req.full_untruncated_fill_ids), branch)
+        plan = cache.plan_checkpoints(reused_tokens, len(req.full_untruncated_fill_ids), branch, hints_of(req))
         req._hs_plan = plan
     return plan
 

@@ -67,6 +67,10 @@ def _apply(record: Any, config: HiStateConfig) -> None:
     changes = apply_to_record(record, config)
     if changes:
         logger.info("HiState enabled: %s; SGLang settings implied: %s", config.describe(), changes)
+    if config.enable:  # the tokenizer-side check of application-placed checkpoints (checkpoint_hints.py)
+        from .checkpoint_hints import install as install_hint_check
+
+        install_hint_check()
     if config.enable and not getattr(record, WARNED_ATTR, False):
         setattr(record, WARNED_ATTR, True)
         for note in ignored_settings(record):

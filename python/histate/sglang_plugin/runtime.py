@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from histate.core import (MISS_HISTORY_MAX_KEYS, SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, Tier, TierPlan,
                           UnitKind, fastest_tier, make_policy)
 
+from .checkpoint_hints import hint_grid_steps
 from .config import HiStateConfig
 from .core_nodes import CoreNode, core_of
 from .eviction import TierVictims, frees_state
@@ -205,13 +206,15 @@ class HiStateRuntime:
     # --- admission (eq. 3-6) -------------------------------------------------------------------------
 
     def plan_checkpoints(self, reused_tokens: int, input_tokens: int,
-                         kv_match_tokens: Optional[int] = None) -> list[int]:
+                         kv_match_tokens: Optional[int] = None, hint_tokens: Sequence[int] = ()) -> list[int]:
         """Token positions in (reused, input] where the forward pass should leave a state: the policy's
         admission rule (for `histate`: eq. 5 intervals, the observed branch point at the KV match end,
-        and the last grid position)."""
+        and the last grid position) and the positions the request names (`hint_tokens`,
+        checkpoint_hints.py), each floored to the grid."""
         grid = self.grid_tokens
         match = reused_tokens if kv_match_tokens is None else kv_match_tokens
-        pages = self.state.plan(math.ceil(reused_tokens / grid), match // grid, input_tokens // grid, self.now())
+        pages = self.state.plan(math.ceil(reused_tokens / grid), match // grid, input_tokens // grid, self.now(),
+                                hint_pages=hint_grid_steps(hint_tokens, grid))
         return [p * grid for p in pages]
 
     # --- eviction bookkeeping --------------------------------------------------------------------------

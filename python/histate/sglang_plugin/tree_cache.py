@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -311,8 +311,8 @@ class HiStateRadixCache(UnifiedRadixCache):
     # --- adaptive interval control and in-pass capture (capture.py) -----------------------------------
 
     def plan_checkpoints(self, reused_tokens: int, input_tokens: int,
-                         kv_match_tokens: Optional[int] = None) -> list[int]:
-        return self.histate.plan_checkpoints(reused_tokens, input_tokens, kv_match_tokens)
+                         kv_match_tokens: Optional[int] = None, hint_tokens: Sequence[int] = ()) -> list[int]:
+        return self.histate.plan_checkpoints(reused_tokens, input_tokens, kv_match_tokens, hint_tokens)
 
     def alloc_capture_slot(self) -> Any:
         """A mamba slot for one extra checkpoint of a pass, evicting like SGLang's own state allocation

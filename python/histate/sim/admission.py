@@ -201,7 +201,7 @@ class CacheGate(MemoryGate):
             if exact is None or not self._fits(exact, state_bytes):
                 self.stats.refusals += 1
                 return None
-        lease = cache.begin_request(keys, now_s)
+        lease = cache.begin_request(keys, now_s, _hint_pages(request, self.page_num_tokens))
         m = lease.match
         reused = min(m.num_reused_pages * self.page_num_tokens, context_num_tokens)
         kv_bytes = self._need_bytes(request, context_num_tokens, m) - reused * self.kv_bytes_per_token
@@ -344,6 +344,12 @@ class CacheGate(MemoryGate):
         stats.off_grid += len(off_grid)
         decode = [p for p in self.cache.plan_checkpoints(lease, prompt_pages, (), output_end) if p > prompt_pages]
         return sorted({c // P for c in captured} | set(decode))
+
+
+def _hint_pages(request, page_num_tokens: int) -> tuple:
+    """The request's named checkpoint positions as page depths: a position inside a page keeps the
+    state at that page's start, the deepest whole page it covers (what the server's grid does)."""
+    return tuple(t // page_num_tokens for t in request.checkpoint_hint_tokens)
 
 
 def _state_pages(lease: RequestLease, step_end_tokens: list, page_num_tokens: int) -> tuple:

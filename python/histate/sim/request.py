@@ -62,6 +62,7 @@ class Request:
     after_sessions: tuple = ()        # child session ids that must complete before this arrives
     output_page_keys: tuple = ()      # keys of the full pages the output completes, when known
     original_latency_s: Optional[float] = None  # server time in the original trace (Weka api_time)
+    checkpoint_hint_tokens: tuple = ()  # positions the application names for checkpoints (docs/hints.md)
 
     @property
     def num_pages(self) -> int:

@@ -65,6 +65,9 @@ class AgentWorkloadConfig:
     max_context_num_tokens: Optional[int] = 131072
     page_num_tokens: int = PAGE_NUM_TOKENS
     seed: int = 0
+    # Each request that carries the whole system prompt names its end as a checkpoint position, as an
+    # application using HiState's hints API would (docs/hints.md); the variates are unchanged.
+    hint_system_prompt: bool = False
 
     def __post_init__(self) -> None:
         rates = (self.truncation_rate, self.rewind_edit_rate, self.fork_rate, self.compaction_rate)
@@ -91,12 +94,13 @@ def default_workload(seed: int = 0) -> Workload:
     return agent_workload(AgentWorkloadConfig(seed=seed), name="synthetic:agent-default")
 
 
-def demo_workload(seed: int = 0) -> Workload:
+def demo_workload(seed: int = 0, hint_system_prompt: bool = False) -> Workload:
     """`histate replay`'s embedded workload: 96 sessions x 16 turns with 8-32K-token first prompts and
     0.5-8K-token appends (~1,500 requests, ~72M input tokens), enough that 24 live sessions overflow
-    the paper preset's 45 GiB GPU pool, so policies differ."""
+    the paper preset's 45 GiB GPU pool, so policies differ. `hint_system_prompt`: requests name the
+    system prompt's end as a checkpoint position (`--checkpoint-hints system-prompt`)."""
     config = AgentWorkloadConfig(num_sessions=96, num_turns=16, first_input_num_tokens=(8192, 32768),
-                                 append_num_tokens=(512, 8192), seed=seed)
+                                 append_num_tokens=(512, 8192), seed=seed, hint_system_prompt=hint_system_prompt)
     return agent_workload(config, name="synthetic:agent-demo")
 
 
@@ -204,11 +208,20 @@ class _SessionGenerator:
             requests.append(Request(
                 uid=next(self.uids), session_id=self.session_id, index=r, input_num_tokens=prompt.num_tokens,
                 output_num_tokens=output, page_keys=prompt.keys, gap_before_s=gap_s, flags=flags,
-                output_page_keys=end.keys[len(prompt.keys):]))
+                output_page_keys=end.keys[len(prompt.keys):], checkpoint_hint_tokens=self._hints(prompt)))
             self.stats.requests += 1
             self.stats.input_tokens += prompt.num_tokens
             self.stats.output_tokens += output
         return Session(session_id=self.session_id, requests=tuple(requests))
+
+    def _hints(self, prompt: _Context) -> tuple:
+        """The system prompt's end, when this prompt carries all of it and more (a truncation may cut
+        inside it; an application names only the prefix it knows is stable)."""
+        system = self.system
+        if not (self.config.hint_system_prompt and system.num_tokens
+                and prompt.num_tokens > system.num_tokens and prompt.keys[:len(system.keys)] == system.keys):
+            return ()
+        return (system.num_tokens,)
 
     def _pick_kind(self, u: float, r: int, turns: list) -> RequestFlag:
         cfg = self.config

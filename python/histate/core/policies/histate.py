@@ -45,6 +45,7 @@ class HiState(Policy):
     checkpoint_tiers = (Tier.GPU, Tier.SSD)  # the host's state slots stage transfers only
     historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
     captures_in_pass = True  # every planned position, inside the pass that computes it (core/capture.py)
+    accepts_checkpoint_hints = True  # the application's named positions (docs/hints.md); baselines have no such API
     refresh_all = True
     kv_ends_at_last_state = True
     learns_reuse_positions = True
@@ -70,6 +71,18 @@ class HiState(Policy):
 class HiStateNoDepth(HiState):
     name = "histate-no-depth"
     learns_depth_positions = False
+
+
+@register_policy
+class HiStateNoDetector(HiState):
+    """Ablation of the stable-prefix detector (docs/hints.md): without the observed branch point and
+    the depth prior, nothing places a checkpoint where many prompts stop sharing unless eq. 5's grid
+    happens to; application hints still apply."""
+    name = "histate-no-detector"
+    learns_depth_positions = False
+
+    def prompt_states(self, ctx: AdmissionContext) -> list[int]:
+        return ctx.controller.plan(ctx.start_pages, ctx.end_pages, ctx.now_s, ctx.near_end_probs, ctx.depth_bins)
 
 
 @register_policy
