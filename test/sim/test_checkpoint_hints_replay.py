@@ -56,3 +56,19 @@ def test_the_flag_is_refused_where_no_workload_names_positions(argv, capsys):
     assert cli_main(["replay", *argv, "--checkpoint-hints", "system-prompt", "--policies", "histate",
                      "--no-progress"]) == 2
     assert "--checkpoint-hints system-prompt: applies to the synthetic agent workload only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", "nowhere.jsonl", "--system-prompt-tokens", "4992"], "--system-prompt-tokens: applies to the synthetic agent"),
+    (["--system-prompt-tokens", "5000"], "--system-prompt-tokens 5000: must be a multiple of the 64-token page"),
+])
+def test_the_system_prompt_length_is_checked(argv, message, capsys):
+    assert cli_main(["replay", *argv, "--policies", "histate", "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_system_prompt_length_sets_the_shared_prefix_and_the_hint():
+    workload = demo_workload(seed=0, hint_system_prompt=True, system_prompt_num_tokens=4992)
+    first = [r for r in workload.iter_requests() if r.index == 0]
+    assert len({r.page_keys[:78] for r in first}) == 1 and len({r.page_keys[78] for r in first}) == len(first)
+    assert all(r.checkpoint_hint_tokens == (4992,) for r in first)

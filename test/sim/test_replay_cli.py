@@ -324,3 +324,21 @@ def test_chunked_prefill_size_sets_every_engines_step_budget(tmp_path, capsys):
     assert rc == 0, err
     assert strict_json((out_dir / "summary.json").read_text())["settings"]["engine"]["token_budget_per_step"] == 4096
     assert_refused(["--chunked-prefill-size", "0"], capsys, "--chunked-prefill-size")
+
+
+def test_the_ttft_plot_draws_histate_the_ceiling_and_each_engines_best_baseline():
+    from histate.sim.report import compared_policies
+
+    p95 = {"histate": 1.4, "vllm-disk": 2.0, "histate-paper": 1.0, "vllm-disk-turns": 1.5, "sglang-hicache": 3.0,
+           "sglang-tuned": 2.5, "unlimited": 1.3, "vllm-marconi": float("nan")}
+    summary = {"policies": {name: {"ttft_p95_s": v} for name, v in p95.items()}}
+    # per engine the lowest p95 among its baselines (HiState's ablations are not baselines), run order kept
+    assert compared_policies(summary) == ["histate", "vllm-disk-turns", "sglang-tuned", "unlimited"]
+
+
+def test_plot_policies_must_be_replayed(tmp_path, capsys):
+    from histate.cli import main as cli_main
+
+    assert cli_main(["replay", "--policies", "histate,vllm-disk", "--plot-policies", "unlimited", "--max-sessions", "2",
+                     "--no-progress", "--out", str(tmp_path)]) == 2
+    assert "--plot-policies unlimited: not among --policies" in capsys.readouterr().err

@@ -54,6 +54,11 @@ def policy_list(text: str) -> list:
     return names
 
 
+def plot_policies(text: str):
+    """`all`, or a policy list (checked against --policies once both are known)."""
+    return "all" if text.strip() == "all" else policy_list(text)
+
+
 def intervals(text: str) -> tuple:
     try:
         values = tuple(sorted({int(x) for x in text.split(",")}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from histate.cli.arg_types import (GiB, NONE, OneLineErrorParser, fail_server, gib, int_list, intervals, number, policy_list,
+from histate.cli.arg_types import (GiB, NONE, OneLineErrorParser, fail_server, gib, int_list, intervals, number, plot_policies, policy_list,
                                    positive, token_scale)
 from histate.core import (DEFAULT_CHUNK_PAGES, DEFAULT_INTERVALS_PAGES, DEFAULT_MAX_YIELDS, DEFAULT_TAU_S,
                           STATE_GRID_TOKENS, available_policies)
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     given.add_argument("--synthetic", choices=("agent", "mutation"),
                        help="synthetic workload instead of --trace: agent (default) or the paper's mutation microbenchmark")
     src.add_argument("--format", choices=("weka", "tracelab", "mooncake"), default="weka", help="trace format (default weka)")
+    src.add_argument("--system-prompt-tokens", type=number("tokens", at_least=0, at_most=65536, integer=True),
+                     help="synthetic agent workload: tokens of the system prompt every session shares (4096; a "
+                          "multiple of 64). 4096 falls on eq. 5's power-of-two grid; 4992 (SGLang #37198) does not")
     src.add_argument("--checkpoint-hints", choices=("off", "system-prompt"), default="off",
                      help="synthetic agent workload: each request names the end of the shared system prompt as a "
                           "checkpoint position, as an application using the server's hints API would "
@@ -123,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     out = r.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("out/replay"), help="directory for summary.json, requests.csv and plots (out/replay)")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--plot-policies", type=plot_policies, metavar="POLICY[,POLICY]|all",
+                     help="policies ttft_cdf.png draws (default: histate, unlimited and each engine's best baseline "
+                          "of the run by p95; 'all' for every replayed policy)")
     out.add_argument("--no-progress", action="store_true", help="no progress bars")
     out.add_argument("--explain", type=policy_list, metavar="POLICY[,POLICY]",
                      help="attribute every token each named policy lost against `unlimited` and against the "

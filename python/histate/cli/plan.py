@@ -30,6 +30,11 @@ def resolve_workload_settings(args, model_name: str) -> dict:
     if getattr(args, "checkpoint_hints", "off") != "off" and (args.trace is not None or args.synthetic == "mutation"):
         raise ValueError(f"--checkpoint-hints {args.checkpoint_hints}: applies to the synthetic agent workload only "
                          "(traces carry no application positions; the mutation workload has no system prompt)")
+    system = getattr(args, "system_prompt_tokens", None)
+    if system is not None and (args.trace is not None or args.synthetic == "mutation"):
+        raise ValueError("--system-prompt-tokens: applies to the synthetic agent workload only")
+    if system is not None and system % 64:
+        raise ValueError(f"--system-prompt-tokens {system}: must be a multiple of the 64-token page")
 
     def pick(flag_value, preset_value):
         value = preset_value if flag_value is None else flag_value
@@ -57,7 +62,8 @@ def load_workload(args, settings: dict):
         return mutation_microbenchmark(rate, seed=args.seed)
     trace = args.trace
     if trace is None:
-        return demo_workload(seed=args.seed, hint_system_prompt=getattr(args, "checkpoint_hints", "off") != "off")
+        return demo_workload(seed=args.seed, hint_system_prompt=getattr(args, "checkpoint_hints", "off") != "off",
+                             system_prompt_num_tokens=getattr(args, "system_prompt_tokens", None) or 4096)
     if str(trace) == "-":
         trace = STDIN  # the loaders read pipes as they come (histate.sim.traces)
     if not trace.exists():

@@ -34,6 +34,10 @@ def replay_command(args) -> int:
              else f"think/tool gaps capped at {settings['max_gap_s']:g} s; ")
           + f"first wave released one every {settings['stagger_s']:g} s")
     logs, policies = {}, list(args.policies)
+    drawn = getattr(args, "plot_policies", None)
+    if isinstance(drawn, list) and (missing := [p for p in drawn if p not in policies]):
+        print(f"histate replay: error: --plot-policies {','.join(missing)}: not among --policies", file=sys.stderr)
+        return 2
     if args.explain:
         from histate.sim.explain import EvictionLog
 
@@ -81,7 +85,8 @@ def replay_command(args) -> int:
         span_h = summary["policies"][name]["simulated_span_s"] / 3600
         print(f"  {name}: replayed {n} requests ({span_h:.2f} h simulated) in {run.wall_s:.1f} s "
               f"({n / max(run.wall_s, 1e-9):,.0f} req/s)")
-    written = write_outputs(runs, summary, args.out, plots=not args.no_plots)
+    written = write_outputs(runs, summary, args.out, plots=not args.no_plots,
+                            plot_policies=list(runs) if drawn == "all" else drawn)
     if interrupted:
         print(f"histate replay: interrupted during {interrupted}; wrote the {len(runs)} policies that finished "
               f"({', '.join(runs)}) to {args.out}", file=sys.stderr)

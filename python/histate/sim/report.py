@@ -13,7 +13,7 @@ import json
 import math
 import tempfile
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional, Sequence
 
 from ..core import MISS_REASONS
 from .metrics import (PolicyRun, long_prefill_uids, miss_tokens_by_reason, recovered_fraction, reuse_sensitive_uids,
@@ -144,8 +144,30 @@ def check_writable(out_dir: Path) -> None:
             raise OSError(f"--out {out_dir}: {name} exists and is not a regular file")
 
 
-def write_outputs(runs: Mapping[str, PolicyRun], summary: dict, out_dir: Path, plots: bool = True) -> list:
-    """Write summary.json, requests.csv and (optionally) PNG plots; returns the paths written."""
+def compared_policies(summary: dict) -> list:
+    """What a person compares in the TTFT plot: HiState, the ceiling (`unlimited`) and each engine's best
+    baseline of this run (lowest p95 among the policies its scheduler serves, ablations of HiState
+    excluded), in the run's order. Policies absent from the run are skipped."""
+    from histate.core import make_policy
+
+    stats = summary.get("policies", {})
+    best: dict = {}
+    for name, s in stats.items():
+        if name.startswith("histate") or name == "unlimited":
+            continue
+        p95 = s.get("ttft_p95_s")
+        engine = make_policy(name).engine
+        if _defined(p95) and (engine not in best or p95 < best[engine][1]):
+            best[engine] = (name, p95)
+    keep = {"histate", "unlimited"} | {name for name, _ in best.values()}
+    return [name for name in stats if name in keep]
+
+
+def write_outputs(runs: Mapping[str, PolicyRun], summary: dict, out_dir: Path, plots: bool = True,
+                  plot_policies: Optional[Sequence[str]] = None) -> list:
+    """Write summary.json, requests.csv and (optionally) PNG plots; returns the paths written.
+    `plot_policies`: the policies the TTFT CDF draws (None: `compared_policies`, or every policy of
+    the run when that leaves fewer than two)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     path = out_dir / "summary.json"
@@ -166,11 +188,14 @@ def write_outputs(runs: Mapping[str, PolicyRun], summary: dict, out_dir: Path, p
                            + [("" if misses is None else misses[reason]) for reason in MISS_REASONS])
     written.append(path)
     if plots:
-        written += _plots(runs, out_dir)
+        drawn = list(plot_policies) if plot_policies is not None else compared_policies(summary)
+        if len(drawn) < 2:
+            drawn = list(runs)
+        written += _plots(runs, out_dir, [name for name in drawn if name in runs])
     return written
 
 
-def _plots(runs: Mapping[str, PolicyRun], out_dir: Path) -> list:
+def _plots(runs: Mapping[str, PolicyRun], out_dir: Path, drawn: Sequence[str]) -> list:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -178,7 +203,8 @@ def _plots(runs: Mapping[str, PolicyRun], out_dir: Path) -> list:
     except ImportError:  # the `sim` extra brings matplotlib; without it the tables still stand
         print("matplotlib not installed: skipping plots")
         return []
-    written = [_save(ttft_cdf_figure(runs, plt), out_dir / "ttft_cdf.png", plt)]
+    hidden = len(runs) - len(drawn)
+    written = [_save(ttft_cdf_figure({name: runs[name] for name in drawn}, plt, hidden), out_dir / "ttft_cdf.png", plt)]
     cohort = reuse_sensitive_uids(runs)
     if cohort:
         written.append(_save(per_request_figure(runs, cohort, plt), out_dir / "per_request.png", plt))
@@ -203,7 +229,7 @@ def line_styles(names) -> dict:
             for i, name in enumerate(names)}
 
 
-def ttft_cdf_figure(runs: Mapping[str, PolicyRun], plt):
+def ttft_cdf_figure(runs: Mapping[str, PolicyRun], plt, num_hidden: int = 0):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = line_styles(runs)
     for name, run in runs.items():
@@ -218,7 +244,10 @@ def ttft_cdf_figure(runs: Mapping[str, PolicyRun], plt):
     ax.set_ylim(0.5, 1.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title("TTFT CDF per policy (upper half)")
+    title = "TTFT CDF per policy (upper half)"
+    if num_hidden:
+        title += f"\nHiState, the ceiling, each engine's best baseline (p95); {num_hidden} more: --plot-policies all"
+    ax.set_title(title, fontsize=9)
     return fig
 
 

@@ -94,13 +94,15 @@ def default_workload(seed: int = 0) -> Workload:
     return agent_workload(AgentWorkloadConfig(seed=seed), name="synthetic:agent-default")
 
 
-def demo_workload(seed: int = 0, hint_system_prompt: bool = False) -> Workload:
+def demo_workload(seed: int = 0, hint_system_prompt: bool = False, system_prompt_num_tokens: int = 4096) -> Workload:
     """`histate replay`'s embedded workload: 96 sessions x 16 turns with 8-32K-token first prompts and
     0.5-8K-token appends (~1,500 requests, ~72M input tokens), enough that 24 live sessions overflow
     the paper preset's 45 GiB GPU pool, so policies differ. `hint_system_prompt`: requests name the
-    system prompt's end as a checkpoint position (`--checkpoint-hints system-prompt`)."""
+    system prompt's end as a checkpoint position (`--checkpoint-hints system-prompt`);
+    `system_prompt_num_tokens`: its length (`--system-prompt-tokens`)."""
     config = AgentWorkloadConfig(num_sessions=96, num_turns=16, first_input_num_tokens=(8192, 32768),
-                                 append_num_tokens=(512, 8192), seed=seed, hint_system_prompt=hint_system_prompt)
+                                 append_num_tokens=(512, 8192), seed=seed, hint_system_prompt=hint_system_prompt,
+                                 system_prompt_num_tokens=system_prompt_num_tokens)
     return agent_workload(config, name="synthetic:agent-demo")
 
 
