@@ -155,13 +155,20 @@ def test_histate_sessions_ranks_a_live_paths_units_last_on_every_tier():
     finish(cache, B[:10], 2.0, [10])
     interior, other = node_at(cache, A, 10), node_at(cache, B, 10)
     assert (interior.session_ref, interior.state_session_ref, other.session_ref) == (1, 0, 0)
-    plain, ctx = make_policy("histate"), cache.state.scoring
+    from histate.core.units import expected_cost_tokens, last_access_s, reclaim_tokens
+
+    ctx = cache.state.scoring
+
+    def eq7(node, unit, bit):  # histate's score written out, with no reference term
+        reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
+        return last_access_s(node, unit, bit) + ctx.tau_s * expected_cost_tokens(node, unit, bit, ctx) / reclaim
+
     for bit in (GPU_BIT, CPU_BIT, SSD_BIT):
         for unit in (UnitKind.BUNDLE, UnitKind.CHECKPOINT):
-            assert cache.policy.score(ctx, interior, unit, bit) == plain.score(ctx, interior, unit, bit) + SESSION_RANK_OFFSET_S
-            assert cache.policy.score(ctx, other, unit, bit) == plain.score(ctx, other, unit, bit)
+            assert cache.policy.score(ctx, interior, unit, bit) == eq7(interior, unit, bit) + SESSION_RANK_OFFSET_S
+            assert cache.policy.score(ctx, other, unit, bit) == eq7(other, unit, bit)
     cache.close_session("a", 3.0)
-    assert cache.policy.score(ctx, interior, UnitKind.CHECKPOINT, SSD_BIT) == plain.score(ctx, interior, UnitKind.CHECKPOINT, SSD_BIT)
+    assert cache.policy.score(ctx, interior, UnitKind.CHECKPOINT, SSD_BIT) == eq7(interior, UnitKind.CHECKPOINT, SSD_BIT)
 
 
 # --- sglang-tuned: --mamba-max-states-per-path -------------------------------------------------------

@@ -204,6 +204,12 @@ def test_incompatible_flags_are_rejected_with_one_message(sglang_plugins, capsys
     assert line.startswith("sglang serve: error: --enable-histate") and flag in line
 
 
+def test_tool_wait_with_client_sessions_is_refused_in_one_line(sglang_plugins, capsys):
+    line = _cli_error(capsys, ["--enable-histate", "--histate-tool-wait-prefetch", "on", "--enable-session-radix-cache"])
+    assert line.startswith("sglang serve: error: --histate-tool-wait-prefetch on cannot be combined with "
+                           "--enable-session-radix-cache") and "\n" not in line
+
+
 def test_conflicting_extra_config_key_is_rejected(sglang_plugins, capsys, tmp_path):
     line = _cli_error(capsys, ["--enable-histate", "--histate-ssd-dir", str(tmp_path),
                                "--hicache-storage-backend-extra-config", '{"class_name": "Other"}'])
@@ -214,6 +220,7 @@ def test_conflicting_extra_config_key_is_rejected(sglang_plugins, capsys, tmp_pa
     (["--histate-tau", "5"], "--histate-tau"),
     (["--histate-ssd-dir", "/tmp/x"], "--histate-ssd-dir"),
     (["--histate-chunk-align", "off"], "--histate-chunk-align"),
+    (["--histate-tool-wait-prefetch", "on"], "--histate-tool-wait-prefetch"),
 ])
 def test_histate_flags_need_enable_histate(sglang_plugins, capsys, argv, flag):
     assert _cli_error(capsys, argv) == f"sglang serve: error: {flag} needs --enable-histate (HiState is off)"

@@ -85,7 +85,8 @@ def build_config(args, settings: dict, page_num_tokens: int):
                           cpu_cache_bytes=args.cpu_gib, ssd_cache_bytes=args.ssd_gib,
                           max_live_sessions=args.max_live_sessions, max_sessions=settings["max_sessions"],
                           session_sampling=settings["session_sampling"], stagger_s=settings["stagger_s"],
-                          seed=args.seed, tau_s=args.tau, intervals_pages=args.intervals, engine_name=args.engine)
+                          seed=args.seed, tau_s=args.tau, intervals_pages=args.intervals, engine_name=args.engine,
+                          tool_wait=getattr(args, "tool_wait_prefetch", "off") == "on")
     if args.h2d_gbps is not None or args.ssd_gbps is not None:
         config = replace(config, hardware_spec=hardware.with_links(h2d_gb_s=args.h2d_gbps, ssd_gb_s=args.ssd_gbps))
     if getattr(args, "chunked_prefill_size", None) is not None:

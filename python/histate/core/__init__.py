@@ -19,6 +19,7 @@ from .tier_plan import TierPlan
 from .prefill_order import DEFAULT_MAX_YIELDS, ShortPrefillFirst, prefill_work_tokens
 from .policy_state import PolicyState
 from .scoring import ScoringContext
+from .sessions import SessionRefs
 from .stats import CacheStats
 from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, ConfigError, HiStateError,
                     InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier)
@@ -36,7 +37,7 @@ __all__ = [
     "InsertResult", "IntervalController", "InvariantViolation", "ItemKind", "MIN_STAGING_SLOTS", "MatchResult",
     "PassCaptures", "Policy", "PolicyState", "RequestLease", "SESSION_RANK_OFFSET_S", "ShortPrefillFirst", "SGLANG_TIER_NAMES", "SSD_BIT", "STATE_GRID_TOKENS",
     "DeferredReoffers", "Departure", "LatestDecision", "MISS_HISTORY_MAX_KEYS", "MISS_REASONS", "MissAttribution", "MissHistory",
-    "MissRecorder", "ObserverGroup", "ScoringContext", "attribute_misses", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
+    "MissRecorder", "ObserverGroup", "ScoringContext", "SessionRefs", "attribute_misses", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
     "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
     "continuous_optimum_pages", "default_staging_slots", "fastest_tier", "floor_cut", "make_cache", "make_policy", "prefill_work_tokens",
     "recompute_cost_pages", "register_policy", "reoffer", "split_pass", "units_of",

@@ -25,6 +25,7 @@ from .tier_plan import TierPlan
 from .policies import Policy, make_policy
 from .policy_state import PolicyState
 from .sessions import SessionRefs
+from .tool_wait import Chain
 from .stats import CacheStats
 from .tree import Node, RadixTree
 from .types import GPU_BIT, HiStateError, ItemKind, MatchResult, Tier, TierOp, fastest_tier
@@ -42,6 +43,7 @@ class RequestLease:
     is_open: bool = True
     pinned: list = field(default_factory=list)
     hint_pages: tuple = ()  # depths the request names for checkpoints (PolicyState.plan, docs/hints.md)
+    chain: Optional[Chain] = None  # the chain of turns it continues, with tool-wait residency on (tool_wait.py)
 
 
 class HybridPrefixCache:
@@ -67,7 +69,8 @@ class HybridPrefixCache:
         self.evictor = Evictor(self.tree, self.book, self.state, plan)
         self.placement = Placement(self.book, self.evictor, plan)
         self.sessions: Optional[SessionRefs] = None
-        if policy.session_refs:  # SGLang --enable-session-radix-cache (sessions.py)
+        if policy.session_refs or self.state.tool_wait is not None:  # SGLang's session references (sessions.py),
+            # which tool-wait residency drives with its waiting chains where clients open no sessions
             self.sessions = SessionRefs(self.tree.root, self.evictor.touch)
             self.evictor.sessions = self.sessions
         self.num_open_leases = 0
@@ -190,13 +193,15 @@ class HybridPrefixCache:
         self.num_open_leases += 1
         self.state.refresh(path if partial is None else path + [partial], path, ckpt_node, now_s)
         self.state.observe_match(result.num_kv_pages, result.end_offset_pages)
+        chain = self.state.on_resume(path[-1] if path else None, now_s)
+        self._release_expired_waits(now_s)
         self.stats.on_match(result, len(keys))
         for node in path:
             if node.depth_pages > result.num_reused_pages:
                 break
             if not node.kv_mask & GPU_BIT:
                 self.stats.bytes_promoted += self.placement.promote_kv(node, now_s)
-        return RequestLease(keys, result, lock_node, now_s, hint_pages=tuple(hint_pages))
+        return RequestLease(keys, result, lock_node, now_s, hint_pages=tuple(hint_pages), chain=chain)
 
     def plan_checkpoints(self, lease: RequestLease, num_pages: Optional[int] = None,
                          step_end_pages: Sequence[int] = (), output_end_pages: Optional[int] = None) -> list[int]:
@@ -245,19 +250,27 @@ class HybridPrefixCache:
                 num_ckpts += self._add_checkpoint(node, now_s, is_terminal=depth == len(keys))
         self._close(lease)
         tail = path[-1] if path else None
-        if self.sessions is not None:
+        if self.policy.session_refs:
             self.sessions.register(session_id, tail)
+        hold_key = self.state.on_turn_end(tail, lease.chain, now_s)
+        if hold_key is not None:
+            self.sessions.register(hold_key, tail)
+        self._release_expired_waits(now_s)
         if self.policy.max_states_per_path >= 0 and tail is not None:
             self._cap_path_states(tail, now_s)
         written = {t: b - written_before.get(t, 0) for t, b in self.stats.bytes_written_by_tier.items()
                    if b != written_before.get(t, 0)}
         return InsertResult(num_new, num_ckpts, written)
 
+    def _release_expired_waits(self, now_s: float) -> None:
+        for hold_key in self.state.expired_waits(now_s):
+            self.sessions.close(hold_key)
+
     def close_session(self, session_id, now_s: float) -> None:
         """A client session ended (SGLang's `close_session`): its references go, so its KV and states
         become ordinary eviction candidates again. No-op for policies without session references."""
         self.last_now_s = now_s
-        if self.sessions is not None:
+        if self.policy.session_refs:
             self.sessions.close(session_id)
 
     def _cap_path_states(self, tail: Node, now_s: float) -> None:

@@ -131,6 +131,10 @@ class CacheConfig:
     time per token; 0 for the GPU). Eq. 7 charges a demoted unit this transfer instead of its recompute
     (units.expected_cost_tokens); the simulator derives it from the hardware and model specs (eq. 2 and
     the prefill roofline). Empty: every eviction is charged its recompute (the paper)."""
+    tool_wait: bool = False
+    """Tool-wait residency (core/tool_wait.py): a finished turn holds its path, ranked after everything
+    unheld, until its next turn is unlikely to come, for policies that read it (`Policy.keeps_tool_wait`).
+    `histate replay --tool-wait-prefetch`, the server's `--histate-tool-wait-prefetch`."""
     record_ops: bool = False
     """Keep a log of TierOps for executors (off in the simulator: it only needs byte counts)."""
 

@@ -82,3 +82,29 @@ def check_invariants(cache) -> None:
         if ledger.protected_bytes[pool] != protected[pool]:
             _fail("I10", f"pool {pool}: ledger protects {ledger.protected_bytes[pool]} B, "
                          f"pinned copies sum to {protected[pool]} B")
+    if cache.sessions is not None:
+        _check_holds(cache.sessions, tree)
+
+
+def _check_holds(refs, tree) -> None:
+    """I13: each node's hold counts are what the registered leaves say (sessions.py): `session_ref` one
+    per (holder, KV leaf) at or below it, `state_session_ref` one per holder whose state leaf it is, and
+    every leaf is a live node of the tree."""
+    kv, state = {}, {}
+    for leaves in refs.kv_leaves.values():
+        for leaf in leaves:
+            if not leaf.is_alive:
+                _fail("I13", f"{leaf} is a hold's KV leaf but left the tree")
+            node = leaf
+            while node is not None and node.parent is not None:
+                kv[node] = kv.get(node, 0) + 1
+                node = node.parent
+    for leaves in refs.state_leaves.values():
+        for leaf in leaves:
+            if not leaf.is_alive:
+                _fail("I13", f"{leaf} is a hold's state leaf but left the tree")
+            state[leaf] = state.get(leaf, 0) + 1
+    for node in tree.iter_nodes():
+        if node.session_ref != kv.get(node, 0) or node.state_session_ref != state.get(node, 0):
+            _fail("I13", f"{node} holds {node.session_ref} KV / {node.state_session_ref} state references, "
+                         f"its leaves say {kv.get(node, 0)} / {state.get(node, 0)}")

@@ -16,6 +16,7 @@ from .depth_prior import DepthPrior
 from .interval import Ema, IntervalController, TierFlow
 from .policies import AdmissionContext, Policy
 from .scoring import ScoringContext
+from .tool_wait import ToolWait
 from .types import ALL_TIERS, ConfigError, Tier, UnitKind
 from .units import end_offset_pages, expected_cost_tokens, last_access_s, reclaim_tokens
 
@@ -59,6 +60,8 @@ class PolicyState:
             self._demotion_tier = _tier_indices(demotion_tier)
             self._checkpoint_demotion_tier = _tier_indices(checkpoint_demotion_tier or demotion_tier)
         self._ctx = self._context()
+        # Tool-wait residency: who gets it is decided here once, so both executors stamp alike.
+        self.tool_wait = ToolWait() if config.tool_wait and policy.keeps_tool_wait else None
 
     # --- scoring (eq. 7) ---------------------------------------------------------------------------
 
@@ -153,6 +156,24 @@ class PolicyState:
             for node in ckpt_path:
                 if node.ckpt_mask and node.depth_pages < depth:
                     node.ckpt_access_s = now_s
+
+    # --- tool-wait residency (tool_wait.py) ---------------------------------------------------------
+
+    def on_resume(self, match_end, now_s: float):
+        """A request matched up to `match_end` (the deepest matched node, None for none): the chain of
+        turns it continues (a `tool_wait.Chain`), to hand back to `on_turn_end`; None when off."""
+        return self.tool_wait.on_resume(match_end, now_s) if self.tool_wait is not None else None
+
+    def on_turn_end(self, tail, chain, now_s: float):
+        """A request finished with its insert ending at `tail`: the key its chain holds the path root ->
+        `tail` with until its deadline (the executor registers it as a session reference), or None."""
+        if self.tool_wait is None or chain is None:
+            return None
+        return self.tool_wait.on_turn_end(tail, chain, now_s)
+
+    def expired_waits(self, now_s: float) -> list:
+        """Hold keys whose deadline passed: the executor releases them."""
+        return self.tool_wait.expired(now_s) if self.tool_wait is not None else []
 
     # --- admission (eq. 3-6) -----------------------------------------------------------------------
 

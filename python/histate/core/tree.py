@@ -18,6 +18,7 @@ class Node:
         "kv_access_s", "ckpt_access_s", "kv_created_s", "ckpt_created_s",
         "lock_count", "version", "is_alive", "is_parked",
         "session_ref", "state_session_ref", "hit_count", "history_pages",
+        "turn_end",
     )
 
     def __init__(self, node_id: int, keys: list, parent: Optional["Node"], depth_pages: int, now_s: float):
@@ -42,6 +43,7 @@ class Node:
         self.state_session_ref = 0  # live sessions whose state leaf is this node (SGLang MAMBA session_ref)
         self.hit_count = 0          # inserts that walked through this node (SGLang `hit_count`)
         self.history_pages = depth_pages  # deepest depth ever below this node (T-LRU's history length)
+        self.turn_end = None  # the finished turn that ended here, when tool-wait residency is on (tool_wait.py)
 
     @property
     def num_pages(self) -> int:

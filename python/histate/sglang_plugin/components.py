@@ -202,3 +202,4 @@ class HiStateMambaComponent(_HiStateWalks, MambaComponent):
         head, tail = core_of(new_parent), core_of(child)
         head.kv_access_s, head.kv_created_s, head.ssd_kv = tail.kv_access_s, tail.kv_created_s, tail.ssd_kv
         head.ckpt_access_s = head.ckpt_created_s = tail.kv_access_s
+        head.session_ref = tail.session_ref  # a hold covering the tail covers its head (the core's split)

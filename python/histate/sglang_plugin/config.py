@@ -251,6 +251,9 @@ def parse_restore_costs(text: Any, *, option: str) -> tuple[float, float]:
     return host, ssd
 
 
+TOOL_WAIT_CHOICES = ("on", "off")
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[..., str]:
     def parse(text: Any, *, option: str) -> str:
         value = str(text).strip().lower()
@@ -355,6 +358,13 @@ OPTIONS: tuple[Option, ...] = (
            help=f"With --histate-short-prefill-first: passes in a row a long prefill may give to short "
                 f"ones before it runs one pass uncapped (default {DEFAULT_MAX_YIELDS}); its own prefill then "
                 f"takes at most N+1 times its unshared number of passes."),
+    Option("tool_wait_prefetch", "--histate-tool-wait-prefetch", "HISTATE_TOOL_WAIT_PREFETCH",
+           _choice(TOOL_WAIT_CHOICES), choices=TOOL_WAIT_CHOICES,
+           help="Tool-wait residency ('on'; default 'off'): a finished request's path is kept, ranked after "
+                "everything unheld, until its next turn is likely not coming (a wait longer than 99 in 100 of the "
+                "waits seen between a turn's end and the request that continues it, or twice its own "
+                "longest). Turns are recognised by prefix, no client sessions needed (docs/tool_wait.md). "
+                "Staging from SSD during the wait is not built yet: only the residency half is."),
     Option("miss_reasons", "--histate-miss-reasons", "HISTATE_MISS_REASONS", _parse_bool, is_switch=True,
            help="Say why each request's uncached prompt tokens missed: no_prefix, kv_evicted, state_evicted, "
                 "no_checkpoint, not_restored, page_boundary (docs/misses.md). Adds meta_info['histate_miss'] "
@@ -386,6 +396,7 @@ class HiStateConfig:
     restore_costs: tuple[float, float] = (DEFAULT_RESTORE_COST_TOKENS[Tier.CPU], DEFAULT_RESTORE_COST_TOKENS[Tier.SSD])
     short_prefill_first: bool = False
     short_prefill_max_yields: int = DEFAULT_MAX_YIELDS
+    tool_wait_prefetch: str = "off"
     miss_reasons: bool = False
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     """field -> 'cli' | 'env' | 'default': where each value came from (for logs and errors)."""

@@ -45,7 +45,8 @@ class _Children:
 
 class CoreNode:
     __slots__ = ("sg", "depth", "kv_access_s", "ckpt_access_s", "kv_created_s", "ckpt_created_s",
-                 "ssd_kv", "ssd_state", "version", "is_alive", "is_parked", "offered", "prefix_hash")
+                 "ssd_kv", "ssd_state", "version", "is_alive", "is_parked", "offered", "prefix_hash",
+                 "session_ref", "state_session_ref", "turn_end")
 
     def __init__(self, sg: Any, now_s: float = 0.0):
         self.sg = sg
@@ -59,6 +60,11 @@ class CoreNode:
         self.is_parked = False
         self.offered: tuple = ()  # the units last offered to the heaps
         self.prefix_hash: Optional[int] = None  # H(depth) of prefix_keys.py, once miss attribution asked for it
+        # HiState's own holds (core/sessions.py counts over CoreNodes, read by eq. 7's score): waiting turns
+        # under --histate-tool-wait-prefetch (runtime.holds); SGLang's session references stay on `sg`.
+        self.session_ref = 0
+        self.state_session_ref = 0
+        self.turn_end = None
 
     # --- structure (read through to SGLang) ------------------------------------------------------
 

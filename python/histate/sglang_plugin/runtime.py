@@ -18,8 +18,8 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional, Sequence
 
-from histate.core import (MISS_HISTORY_MAX_KEYS, SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, Tier, TierPlan,
-                          UnitKind, fastest_tier, make_policy)
+from histate.core import (MISS_HISTORY_MAX_KEYS, SGLANG_TIER_NAMES, CacheConfig, ItemKind, PolicyState, SessionRefs,
+                          Tier, TierPlan, UnitKind, fastest_tier, make_policy)
 
 from .checkpoint_hints import hint_grid_steps
 from .config import HiStateConfig
@@ -31,6 +31,9 @@ from .miss_tracker import META_INFO_KEY, MISS_ATTR, MissTracker, as_meta_info
 
 REUSE_ATTR = "_hs_reuse"
 """Underscore attribute on SGLang's `Req`: the `MatchedReuse` of its latest match (set by `on_match`)."""
+
+CHAIN_ATTR = "_hs_chain"
+"""Underscore attribute on SGLang's `Req`: the `tool_wait.Chain` of its latest match (tool-wait residency)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +77,22 @@ class HiStateRuntime:
             page_num_tokens=grid_tokens, kv_bytes_per_token=kv_bytes_per_token,
             checkpoint_size_bytes=checkpoint_bytes, capacity_bytes={Tier.GPU: device_bytes}, tau_s=config.tau_s,
             supported_intervals_pages=config.intervals_pages(grid_tokens),
-            restore_cost_tokens={Tier.CPU: host_cost, Tier.SSD: ssd_cost})
+            restore_cost_tokens={Tier.CPU: host_cost, Tier.SSD: ssd_cost},
+            tool_wait=config.tool_wait_prefetch == "on")
         self.tiers = {Tier.GPU}
         self.state = self._policy_state()
         self.victims = TierVictims(self.state)
         self.ssd_tier: Any = None  # ssd_tier.SsdTier once an SSD backend is attached
         # --histate-miss-reasons: why uncached tokens missed (miss_tracker.py); None when off
         self.misses = MissTracker(grid_tokens, MISS_HISTORY_MAX_KEYS) if config.miss_reasons else None
+        # --histate-tool-wait-prefetch on: the paths waiting turns hold (core/tool_wait.py), counted on
+        # CoreNodes as the core's cache counts them; built over the tree's root by `attach_tree`
+        self.holds: Optional[SessionRefs] = None
+
+    def attach_tree(self, root_sg: Any) -> None:
+        """SGLang built its tree (again, after a flush): holds start empty over its root."""
+        if self.state.tool_wait is not None:
+            self.holds = SessionRefs(core_of(root_sg), self.victims.touch)
 
     def _policy_state(self) -> PolicyState:
         """The policy state over the tiers that exist: eq. 7 charges a unit leaving a tier the restore
@@ -165,7 +177,32 @@ class HiStateRuntime:
                                       tier=SGLANG_TIER_NAMES[fastest_tier(mask)] if mask else None)
         if req is not None and self.misses is not None and key is not None:
             self._attribute_misses(req, key, kv_match_tokens, ckpt_node, now_s)
+        if req is not None and self.holds is not None:  # the latest match counts (a retried admission)
+            setattr(req, CHAIN_ATTR, self.state.on_resume(path[-1] if path else None, now_s))
+            self._release_expired_waits(now_s)
         return ckpt_node
+
+    # --- tool-wait residency (core/tool_wait.py) ---------------------------------------------------------
+
+    def on_turn_end(self, req: Any, tail_sg: Any, now_s: float) -> None:
+        """A request finished (not aborted) with its insert ending at `tail_sg`: its chain waits there,
+        holding the path (the core's `finish_request`)."""
+        if self.holds is None:
+            return
+        tail = core_of(tail_sg) if tail_sg is not None and tail_sg.parent is not None else None
+        chain = getattr(req, CHAIN_ATTR, None)
+        if chain is None:
+            return
+        hold_key = self.state.on_turn_end(tail, chain, now_s)
+        if hold_key is not None:
+            self.holds.register(hold_key, tail)
+            self.metrics.record_tool_wait("held")
+        self._release_expired_waits(now_s)
+
+    def _release_expired_waits(self, now_s: float) -> None:
+        for hold_key in self.state.expired_waits(now_s):
+            self.holds.close(hold_key)
+            self.metrics.record_tool_wait("expired")
 
     def _attribute_misses(self, req: Any, key: Any, kv_match_tokens: int, ckpt_node: Optional[CoreNode],
                           now_s: float) -> None:
@@ -199,6 +236,8 @@ class HiStateRuntime:
         """SGLang unlinked `node` (eviction, or a tombstone chain it cleaned up)."""
         if self.misses is not None:  # before the SSD tier forgets its SSD bits
             self.misses.on_node_removed(node, self.now(), self.ssd_tier)
+        if self.holds is not None:  # a held leaf hands its hold to its parent (sessions.py)
+            self.holds.on_leaf_removed(node)
         self.victims.on_removed(node)
         if self.ssd_tier is not None:
             self.ssd_tier.on_node_removed(node)

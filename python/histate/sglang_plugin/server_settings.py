@@ -300,6 +300,11 @@ def apply_to_record(record: Any, config: HiStateConfig) -> dict[str, Any]:
     if not config.enable:
         return {}
     check_conflicts(record)
+    if config.tool_wait_prefetch == "on" and _flag(record, "enable_session_radix_cache"):
+        raise HiStateConfigError(
+            "--histate-tool-wait-prefetch on cannot be combined with --enable-session-radix-cache: both hold a "
+            "session's path through its wait (one from the client's sessions, one inferred by prefix) and no "
+            "HiState test runs them together; drop one of them")
     changes = implied_settings(record, config)
     for name, value in changes.items():
         setattr(record, name, value)

@@ -89,6 +89,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         super().__init__(params)
         self.tree_core.histate = self.histate
         self.histate.victims.tree_core = self.tree_core
+        self.histate.attach_tree(self.tree_core.root_node)
         self._agree_sizes()
 
     def _agree_sizes(self) -> None:
@@ -359,7 +360,20 @@ class HiStateRadixCache(UnifiedRadixCache):
 
         release_captures(self, req)
         self.histate.commit_misses(req)
+        if self.histate.holds is not None and _finished_not_aborted(req):
+            # tool-wait residency: its turn ended where its insert did (SGLang's own session leaf,
+            # `checkpoint_into_tree`: req.last_node, an id in the arena while the request locks it)
+            tail = self.tree_core._node_arena.get(getattr(req, "last_node", None))
+            self.histate.on_turn_end(req, tail, self.histate.now())
         super().on_release(req, checkpointed=checkpointed)
+
+
+def _finished_not_aborted(req: Any) -> bool:
+    """What SGLang registers a session leaf for (unified_radix_cache.py:1329-1335): a finished request
+    whose finish is not an abort."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return bool(req.finished()) and not isinstance(getattr(req, "finished_reason", None), FINISH_ABORT)
 
 
 def histate_cache_factory(ctx: Any) -> Any:

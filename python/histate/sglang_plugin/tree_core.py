@@ -89,6 +89,7 @@ class HiStateTreeCore(UnifiedTreeCore):
         super().reset()
         if self.histate is not None:
             self.histate.victims.reset()
+            self.histate.attach_tree(self.root_node)  # holds of the old tree went with it
 
 
 def _factory(params: Any, components: Any) -> HiStateTreeCore:

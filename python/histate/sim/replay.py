@@ -77,6 +77,7 @@ class ReplayConfig:
     step_cost: Optional[RooflineStepCost] = None  # a CalibratedStepCost replaces the roofline
     hardware_spec: Optional[HardwareSpec] = None  # overrides the `hardware` preset (other link speeds)
     engine_name: Optional[str] = None  # serve every policy with this engine's scheduler (what-if); None: its own
+    tool_wait: bool = False  # tool-wait residency for the policies that read it (CacheConfig.tool_wait)
 
     def __post_init__(self) -> None:
         if self.session_sampling not in SESSION_SAMPLINGS:
@@ -121,7 +122,8 @@ class ReplayConfig:
             attention_pair_tokens=attention_pair_tokens(model),
             capacity_bytes={Tier.GPU: self.gpu_cache_bytes, Tier.CPU: self.cpu_cache_bytes - self.staging_bytes(policy),
                             Tier.SSD: self.ssd_cache_bytes},
-            tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages, restore_cost_tokens=restore)
+            tau_s=self.tau_s, supported_intervals_pages=self.intervals_pages, restore_cost_tokens=restore,
+            tool_wait=self.tool_wait)
 
 
 @dataclass(slots=True)

@@ -62,6 +62,7 @@ class Policy:
     estimates_residence_by_flow = True  # Little's-law T_KV / T_state before residences are observed
     captures_in_pass = False  # plan at admission; a pass keeps every planned state on its chunk grid (capture.py)
     accepts_checkpoint_hints = False  # positions a request names join its plan (PolicyState.plan; docs/hints.md)
+    keeps_tool_wait = False  # CacheConfig.tool_wait holds waiting turns' paths, ranked last by its score (core/tool_wait.py)
     # --- mechanisms of the "as a careful operator runs them" baselines (sglang_tuned.py, vllm_current.py) ---
     session_refs = False  # SGLang --enable-session-radix-cache: finished requests tag their path per session (sessions.py)
     kv_eviction_takes_state = False  # KV leaving a tier takes the node's state copy there (SGLang's FULL->MAMBA cascade)

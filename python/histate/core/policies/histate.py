@@ -46,6 +46,7 @@ class HiState(Policy):
     historical_tier = Tier.SSD  # asymmetric tiering: a hit reads one checkpoint but all its KV
     captures_in_pass = True  # every planned position, inside the pass that computes it (core/capture.py)
     accepts_checkpoint_hints = True  # the application's named positions (docs/hints.md); baselines have no such API
+    keeps_tool_wait = True  # CacheConfig.tool_wait: a waiting turn's path ranks last until its deadline (tool_wait.py)
     refresh_all = True
     kv_ends_at_last_state = True
     learns_reuse_positions = True
@@ -62,9 +63,12 @@ class HiState(Policy):
                 + branch_point(ctx))
 
     def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
+        """Eq. 7; a unit held by a live session (`histate-sessions`) or a waiting turn (tool-wait
+        residency, core/tool_wait.py) ranks after every unheld one (both 0 on every node otherwise)."""
         cost = expected_cost_tokens(node, unit, bit, ctx)
         reclaim = reclaim_tokens(node, unit, bit, ctx.page_num_tokens, ctx.checkpoint_token_equiv)
-        return last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
+        score = last_access_s(node, unit, bit) + ctx.tau_s * cost / reclaim
+        return score + SESSION_RANK_OFFSET_S if node.session_ref > 0 or node.state_session_ref > 0 else score
 
 
 @register_policy
@@ -158,7 +162,3 @@ class HiStateSessions(HiState):
 
     name = "histate-sessions"
     session_refs = True
-
-    def score(self, ctx: ScoringContext, node, unit: UnitKind, bit: int) -> float:
-        score = super().score(ctx, node, unit, bit)
-        return score + SESSION_RANK_OFFSET_S if node.session_ref > 0 or node.state_session_ref > 0 else score
