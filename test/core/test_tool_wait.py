@@ -91,9 +91,12 @@ def test_a_waiting_chain_expires_at_its_deadline_once_and_holds_again_under_a_ne
     assert wait.expired(1e9) == [] and not wait.is_waiting(held)
     again = _turn(wait, nodes[3], 40.0, nodes[3], 41.0)  # it came back after letting go
     assert again not in (None, held) and nodes[3].turn_end.chain_gaps_s == (10.0, 30.0)
+    assert wait.counts() | {"resumes": 0, "turn_ends": 0} == {"held": 2, "back_in_time": 0, "back_late": 1, "expired": 1,
+                                                               "resumes": 0, "turn_ends": 0}
     # a chain that comes back in time keeps its id, and its new deadline replaces the old one
     kept = _turn(wait, nodes[3], 42.0, nodes[3], 43.0)
     assert kept == again and wait.expired(43.0 + CHAIN_HOLD_FACTOR * 30.0 - 0.001) == []
+    assert (wait.counts()["back_in_time"], wait.counts()["back_late"]) == (1, 1)
 
 
 # --- what a hold does to eviction ---------------------------------------------------------------------

@@ -158,6 +158,10 @@ def test_the_server_holds_what_the_cores_cache_holds_on_the_same_stream(sglang_p
     core.abort_request(core.begin_request([tuple(probe[i:i + 16]) for i in range(0, len(probe), 16)], 33.0))
     assert 80 in rig.held_depths() and rig.held_depths() == {n.depth_pages * 16 for n in core.tree.iter_nodes()
                                                              if n.session_ref > 0}
+    totals, counts = rig.cache.histate.metrics.totals, core.state.tool_wait.counts()
+    assert {e: totals[("tool_wait_turns_total", e)] for e in ("held", "expired", "back_in_time", "back_late")} == \
+        {e: counts[e] for e in ("held", "expired", "back_in_time", "back_late")}
+    assert counts["back_late"] >= 1 and counts["back_in_time"] >= 1
     # A: waits 5, 4, 22 (its hold, 2 x 4 = 8 s after t=9, expired at t=17: a new hold at t=31)
     assert core.state.tool_wait.num_expired >= 1 and 22.0 in core.state.tool_wait.gaps._recent_s
 

@@ -75,6 +75,7 @@ class TurnEnd:
     chain_id: int
     chain_gaps_s: tuple  # the waits this chain of turns showed, oldest first (at most CHAIN_GAPS_KEPT)
     is_held: bool = False  # the chain holds its path from here (it got a deadline)
+    deadline_s: float = math.inf  # when a held turn lets go of its path
     is_consumed: bool = False  # a finished request continued it (a later one from here is a branch)
 
 
@@ -120,16 +121,20 @@ class ToolWait:
     waiting chain's path as a session reference under the key `on_turn_end` returns, and releases the
     keys `expired` returns."""
 
-    __slots__ = ("gaps", "_next_id", "_deadline_s", "_deadlines", "num_resumes", "num_turn_ends", "num_expired")
+    __slots__ = ("gaps", "_next_id", "_deadline_s", "_deadlines", "num_resumes", "num_turn_ends", "num_held",
+                 "num_expired", "num_back_in_time", "num_back_late")
 
     def __init__(self) -> None:
         self.gaps = GapPredictor()
         self._next_id = 0
         self._deadline_s: dict = {}  # holding chain id -> its deadline
         self._deadlines: list = []   # heap of (deadline, chain id); stale entries are skipped
-        self.num_resumes = 0
+        self.num_resumes = 0  # finished requests that continued a turn
         self.num_turn_ends = 0
-        self.num_expired = 0
+        self.num_held = 0  # turn ends that held their path
+        self.num_expired = 0  # holds let go at their deadline (the chain did not come back in time)
+        self.num_back_in_time = 0  # continuations of a held turn matched before its deadline
+        self.num_back_late = 0  # ... after it (a hold let go too early)
 
     @staticmethod
     def on_resume(match_end, now_s: float) -> Chain:
@@ -157,7 +162,8 @@ class ToolWait:
         if hold_s <= 0.0:
             return None  # no wait observed yet: nothing predicted, nothing held
         turn.is_held = True
-        deadline_s = now_s + hold_s
+        self.num_held += 1
+        deadline_s = turn.deadline_s = now_s + hold_s
         self._deadline_s[chain_id] = deadline_s
         heapq.heappush(self._deadlines, (deadline_s, chain_id))
         return (HOLD_KEY, chain_id)
@@ -173,9 +179,14 @@ class ToolWait:
         self.gaps.observe(gap_s)
         self.num_resumes += 1
         gaps_s = (turn.chain_gaps_s + (gap_s,))[-CHAIN_GAPS_KEPT:]
-        if turn.is_held and turn.chain_id not in self._deadline_s:  # let go at its deadline: a new hold
-            self._next_id += 1
-            return self._next_id, gaps_s
+        if turn.is_held:
+            if chain.matched_s <= turn.deadline_s:
+                self.num_back_in_time += 1
+            else:
+                self.num_back_late += 1
+            if turn.chain_id not in self._deadline_s:  # let go at its deadline: a hold again is a new one
+                self._next_id += 1
+                return self._next_id, gaps_s
         return turn.chain_id, gaps_s
 
     def expired(self, now_s: float) -> list:
@@ -192,3 +203,10 @@ class ToolWait:
 
     def is_waiting(self, hold_key: tuple) -> bool:
         return hold_key[1] in self._deadline_s
+
+    def counts(self) -> dict:
+        """What the holds did: `held` turn ends, continuations `back_in_time` (before the deadline) and
+        `back_late` (after a hold was let go: the deadline was too short), `expired` holds (also those
+        that came back late), `resumes` in all."""
+        return {"held": self.num_held, "back_in_time": self.num_back_in_time, "back_late": self.num_back_late,
+                "expired": self.num_expired, "resumes": self.num_resumes, "turn_ends": self.num_turn_ends}

@@ -28,7 +28,8 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
   sglang:histate_miss_tokens_total{reason}      uncached prompt tokens by reason (--histate-miss-reasons;
                                                 docs/misses.md)
-  sglang:histate_tool_wait_turns_total{event}   tool-wait residency: held | expired (--histate-tool-wait-prefetch)
+  sglang:histate_tool_wait_turns_total{event}   tool-wait residency: held | expired | back_in_time | back_late
+                                                (--histate-tool-wait-prefetch)
 
 Every value is also kept as a plain integer in `totals` (tests and benchmarks read these), so
 recording works identically with Prometheus off (`--enable-metrics` not given).
@@ -105,7 +106,8 @@ class HiStateMetrics:
                 "docs/misses.md): no_prefix, kv_evicted, state_evicted, no_checkpoint, not_restored, page_boundary.",
                 ("reason",))
         counter("tool_wait_turns_total", "Tool-wait residency (--histate-tool-wait-prefetch on): 'held' (a finished "
-                "turn's path held for its next turn), 'expired' (a hold let go at its deadline).", ("event",))
+                "turn's path held for its next turn), 'expired' (a hold let go at its deadline), 'back_in_time' / "
+                "'back_late' (a held turn's continuation matched before / after its deadline).", ("event",))
         self._prom["checkpoints"] = gauge_cls(
             name="sglang:histate_checkpoints", documentation="Checkpoints resident per tier.",
             labelnames=names + ["tier"], multiprocess_mode="mostrecent", registry=registry)
@@ -129,8 +131,8 @@ class HiStateMetrics:
         for reason, num_tokens in tokens_by_reason.items():
             self._inc("miss_tokens_total", num_tokens, reason=reason)
 
-    def record_tool_wait(self, event: str) -> None:
-        self._inc("tool_wait_turns_total", 1, event=event)
+    def record_tool_wait(self, event: str, count: int = 1) -> None:
+        self._inc("tool_wait_turns_total", count, event=event)
 
     def record_eviction(self, unit: str, tier: int) -> None:
         self._inc("evictions_total", 1, unit=unit, tier=SGLANG_TIER_NAMES[tier])

@@ -32,6 +32,9 @@ from .miss_tracker import META_INFO_KEY, MISS_ATTR, MissTracker, as_meta_info
 REUSE_ATTR = "_hs_reuse"
 """Underscore attribute on SGLang's `Req`: the `MatchedReuse` of its latest match (set by `on_match`)."""
 
+TOOL_WAIT_EVENTS = ("held", "expired", "back_in_time", "back_late")
+"""The `ToolWait.counts` exported as sglang:histate_tool_wait_turns_total{event}."""
+
 CHAIN_ATTR = "_hs_chain"
 """Underscore attribute on SGLang's `Req`: the `tool_wait.Chain` of its latest match (tool-wait residency)."""
 
@@ -88,6 +91,7 @@ class HiStateRuntime:
         # --histate-tool-wait-prefetch on: the paths waiting turns hold (core/tool_wait.py), counted on
         # CoreNodes as the core's cache counts them; built over the tree's root by `attach_tree`
         self.holds: Optional[SessionRefs] = None
+        self._tool_wait_counted: dict = {}
 
     def attach_tree(self, root_sg: Any) -> None:
         """SGLang built its tree (again, after a flush): holds start empty over its root."""
@@ -196,13 +200,21 @@ class HiStateRuntime:
         hold_key = self.state.on_turn_end(tail, chain, now_s)
         if hold_key is not None:
             self.holds.register(hold_key, tail)
-            self.metrics.record_tool_wait("held")
         self._release_expired_waits(now_s)
 
     def _release_expired_waits(self, now_s: float) -> None:
         for hold_key in self.state.expired_waits(now_s):
             self.holds.close(hold_key)
-            self.metrics.record_tool_wait("expired")
+        self._count_tool_wait()
+
+    def _count_tool_wait(self) -> None:
+        """Prometheus follows the core's own counts (`ToolWait.counts`), by their increments."""
+        counts = self.state.tool_wait.counts()
+        seen = self._tool_wait_counted
+        for event in TOOL_WAIT_EVENTS:
+            if counts[event] > seen.get(event, 0):
+                self.metrics.record_tool_wait(event, counts[event] - seen.get(event, 0))
+        self._tool_wait_counted = counts
 
     def _attribute_misses(self, req: Any, key: Any, kv_match_tokens: int, ckpt_node: Optional[CoreNode],
                           now_s: float) -> None:

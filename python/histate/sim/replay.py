@@ -247,9 +247,11 @@ class _Replay(SessionDriver):
                 break
             t, _, run, req = heapq.heappop(self.arrivals)
             self._on_arrival(run, req, t)
-        return PolicyRun(self.policy, self.records, self.cache.stats,
-                         {"ssd": self.engine.ssd.stats, "h2d": self.engine.h2d.stats, "engine": self.engine.stats,
-                          "admission": self.gate.stats, "scheduler": self.profile.name}, time.perf_counter() - t0)
+        stats = {"ssd": self.engine.ssd.stats, "h2d": self.engine.h2d.stats, "engine": self.engine.stats,
+                 "admission": self.gate.stats, "scheduler": self.profile.name}
+        if self.cache.state.tool_wait is not None:
+            stats["tool_wait"] = self.cache.state.tool_wait.counts()
+        return PolicyRun(self.policy, self.records, self.cache.stats, stats, time.perf_counter() - t0)
 
     # --- sessions (SessionDriver's hooks) ------------------------------------------------------
 

@@ -53,6 +53,8 @@ def build_summary(runs: Mapping[str, PolicyRun], baseline: str = "vllm-marconi")
             on_cohort = summarize(run, cohort)
             summaries[name]["cohort_ttft_mean_s"] = on_cohort["ttft_mean_s"]
             summaries[name]["cohort_ttft_p95_s"] = on_cohort["ttft_p95_s"]
+        if "tool_wait" in run.engine_stats:  # --tool-wait-prefetch on: what the holds did (core/tool_wait.py)
+            summaries[name]["tool_wait"] = run.engine_stats["tool_wait"]
         misses = miss_tokens_by_reason(run)
         if misses is not None:  # why the uncached tokens missed (core/misses.py); they sum to input - reused
             summaries[name]["miss_tokens_by_reason"] = misses
