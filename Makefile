@@ -8,7 +8,7 @@ STAMP     := $(VENV)/.histate-installed-v3
 PYTEST    := $(VPY) -m pytest
 HYPOTHESIS_PROFILE ?= ci
 
-.PHONY: help venv demo test test-fast test-gpu gpu-check mutants cpu-server bench golden size clean cluster
+.PHONY: help venv demo test test-fast test-gpu gpu-check mutants cpu-server bench golden size clean cluster upstream-check
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -46,6 +46,9 @@ cluster: venv  ## a loopback fleet (Mooncake L3, 2 histate serve workers, sglang
 
 test: venv  ## run the CPU test suite (what CI runs)
 	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PYTEST) test -q
+
+upstream-check: venv  ## apply upstream/series to a copy of the installed SGLang and test the copy (docs/upstream.md; also in `make test`)
+	$(VPY) upstream/check.py
 
 test-fast: venv  ## core tests only, small hypothesis budget
 	HYPOTHESIS_PROFILE=dev $(PYTEST) test/core -q

@@ -7,7 +7,10 @@ registered once per process however many caches the process builds. Each group i
 
 Fail-closed: `HookRegistry.apply_hooks` only logs a target it cannot resolve (and skips, silently,
 a target some earlier registration already patched), so a renamed SGLang method would leave HiState
-half-installed, e.g. capture slots the scheduler allocates with no backend hook to fill them.
+half-installed, e.g. capture slots the scheduler allocates with no backend hook to fill them. With
+the first patch of the upstream series applied (upstream/series/0001: `apply_hooks(strict=True,
+targets=...)`), SGLang itself names the targets it could not patch and drops their hooks; without it
+(stock 0.5.23) the private cleanup `_forget` does that here.
 `install_once` therefore resolves every target before registering anything, and after applying
 checks that each target now names a different object than before (the wrapper HookRegistry builds).
 Any target that is missing or unchanged fails the whole group with one RuntimeError naming the group
@@ -57,6 +60,15 @@ def _forget(unpatched: Sequence[str], functions: Sequence[Callable]) -> None:
             del registry[target]
 
 
+def _has_strict_apply(registry: Any) -> bool:
+    """Whether this SGLang's `HookRegistry.apply_hooks` fails closed on request (`strict=`, `targets=`:
+    upstream/series 0001). Stock 0.5.23 has neither: then the group is checked here after applying."""
+    import inspect
+
+    parameters = inspect.signature(registry.apply_hooks).parameters
+    return "strict" in parameters and "targets" in parameters
+
+
 def _check_listed(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None:
     """A programming error, not an SGLang difference: every hook must be in the table, as listed."""
     for target, _, kind in hooks:
@@ -95,8 +107,20 @@ def install_once(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None
     if not problems:  # all or nothing: a group with a missing target registers none of its hooks
         for (target, function, _), kind in zip(hooks, kinds):
             HookRegistry.register(target, function, kind)
-        HookRegistry.apply_hooks()
+        strict = _has_strict_apply(HookRegistry)
+        if strict:  # upstream/series 0001: SGLang names what it could not patch and drops those hooks
+            try:
+                HookRegistry.apply_hooks(strict=True, targets=[target for target, _, _ in hooks])
+            except Exception as error:  # HookApplyError
+                for target, cause in getattr(error, "failures", {}).items():
+                    problems[target] = f"not patched (HookRegistry: {_describe(cause)})"
+                if not problems:
+                    raise
+        else:
+            HookRegistry.apply_hooks()
         for target, _, _ in hooks:
+            if target in problems:
+                continue
             try:
                 now = resolve_target(target)
             except Exception as error:
@@ -105,7 +129,7 @@ def install_once(group: str, hooks: Sequence[tuple[str, Callable, str]]) -> None
             if now is originals[target]:
                 problems[target] = ("not patched (HookRegistry left it unchanged: it failed to apply, or an "
                                     "earlier registration had already patched this target)")
-        if problems:
+        if problems and not strict:
             _forget(list(problems), [function for _, function, _ in hooks])
     if problems:
         listed = "; ".join(f"{target} {why}" for target, why in problems.items())
