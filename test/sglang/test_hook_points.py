@@ -71,7 +71,12 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
             base = next((k for k in cls.__mro__ if k.__module__.startswith("sglang.") and name in vars(k)), None)
             if base is not None:
                 found.add((cls.__name__, f"{base.__module__}.{base.__qualname__}.{name}"))
+    from histate.sglang_plugin.chunking import upstream_cut_grid
+
     listed = {(point.owner, point.target) for point in hook_points.OVERRIDES}
+    if upstream_cut_grid():  # upstream/series 0002 applied: the cache answers SGLang's new protocol
+        listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
+                   for name in ("prefill_cut_grid", "on_prefill_cut_floored")}
     assert found == listed
 
 
@@ -89,9 +94,12 @@ def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_
     for install in (install_scheduler_hooks, install_forward_hooks, install_chunk_planning, install_host_policy,
                     install_short_prefill_first, install_meta_info_hook, install_hint_check):
         install()
+    from histate.sglang_plugin.chunking import upstream_cut_grid
+
     ours = {target for target, entries in HookRegistry._hooks.items()
             if any(getattr(entry[1], "__module__", "").startswith("histate.") for entry in entries)}
-    assert ours == {point.target for point in hook_points.REGISTRY_HOOKS}
+    superseded = {"chunking"} if upstream_cut_grid() else set()  # upstream/series 0002 applied (make upstream-check)
+    assert ours == {point.target for point in hook_points.REGISTRY_HOOKS if point.owner not in superseded}
 
 
 @pytest.fixture

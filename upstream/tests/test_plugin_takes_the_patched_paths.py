@@ -49,3 +49,17 @@ def test_0001_a_group_that_fails_to_apply_is_refused_through_the_registrys_stric
                                            r"TypeError: cannot patch\)"):
         hooks.install_once("probe", [("upstream_hook_probe.Probe.helper", _after, "AFTER")])
     assert "upstream_hook_probe.Probe.helper" not in HookRegistry._hooks  # SGLang dropped it, not the plugin
+
+
+def test_0002_cuts_come_from_the_caches_grid_not_from_hooks():
+    """The chunking hooks are not installed; SGLang's PrefillAdder reads the cache's grid."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    from histate.sglang_plugin import chunking
+
+    assert chunking.upstream_cut_grid()
+    chunking.install_chunk_planning()
+    assert not hooks.is_installed("chunking")
+    assert not any(t.startswith("sglang.srt.managers.schedule_policy.PrefillAdder") and HookRegistry.is_patched(t)
+                   for t in HookRegistry._hooks)
+    assert "cache_cut_grid" in PrefillAdder.__init__.__code__.co_names

@@ -8,8 +8,9 @@ after a cut would start anywhere. HiState floors each cut to the state grid, as 
 under DCP (`floor_chunked_tokens`, schedule_policy.py:863-872). The chunk shrinks by less than one
 grid; no pass is added, and a final chunk is never touched.
 
-Two AROUND hooks on `PrefillAdder` (`--histate-chunk-align grid`, the default; `off` leaves SGLang's
-cuts, and captures past an off-grid cut are dropped and counted):
+Three AROUND hooks on `PrefillAdder` (`--histate-chunk-align grid`, the default; `off` leaves SGLang's
+cuts, and captures past an off-grid cut are dropped and counted); with upstream/series 0002 applied,
+SGLang's `PrefillAdder` does the same from `HiStateRadixCache.prefill_cut_grid()` and no hook is installed:
   * `_select_prefill_admission` (a new request, schedule_policy.py:1592-1683): a cut chunk ends at the
     last grid position inside it. When that leaves nothing, the request waits for the next round
     (`AddReqResult.OTHER`, SGLang's own answer when page flooring leaves nothing, :1672-1673), and a
@@ -86,8 +87,20 @@ def floor_chunked_tokens_around(original: Any, adder: Any, trunc_len: int, remai
     return end - req.prefix_len
 
 
+def upstream_cut_grid() -> bool:
+    """Whether this SGLang floors cuts to the cache's grid itself (upstream/series 0002:
+    `BasePrefixCache.prefill_cut_grid`, read by `PrefillAdder`); then the hooks below are not needed and
+    `HiStateRadixCache.prefill_cut_grid` / `on_prefill_cut_floored` carry the same rule."""
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+    return hasattr(BasePrefixCache, "prefill_cut_grid")
+
+
 def install_chunk_planning() -> None:
-    """Register the PrefillAdder hooks (once per process; the scheduler's)."""
+    """Register the PrefillAdder hooks (once per process; the scheduler's), unless SGLang has the cut
+    grid of upstream/series 0002."""
+    if upstream_cut_grid():
+        return
     install_once("chunking", [
         (f"{_MODULE}._select_prefill_admission", select_admission_around, "AROUND"),
         (f"{_MODULE}.add_chunked_req", add_chunked_req_around, "AROUND"),

@@ -311,6 +311,15 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     # --- adaptive interval control and in-pass capture (capture.py) -----------------------------------
 
+    def prefill_cut_grid(self) -> int:
+        """Where chunked-prefill cuts should land (upstream/series 0002, `BasePrefixCache.prefill_cut_grid`):
+        the state grid with `--histate-chunk-align grid`, else 1 (SGLang's cuts). Stock 0.5.23 never
+        calls it; chunking.py's hooks apply the same rule there."""
+        return self.histate.grid_tokens if self.histate.config.chunk_align == "grid" else 1
+
+    def on_prefill_cut_floored(self) -> None:
+        self.histate.metrics.record_chunk_cut("grid")
+
     def plan_checkpoints(self, reused_tokens: int, input_tokens: int,
                          kv_match_tokens: Optional[int] = None, hint_tokens: Sequence[int] = ()) -> list[int]:
         return self.histate.plan_checkpoints(reused_tokens, input_tokens, kv_match_tokens, hint_tokens)
