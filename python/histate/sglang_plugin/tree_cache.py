@@ -371,8 +371,11 @@ class HiStateRadixCache(UnifiedRadixCache):
         self.histate.commit_misses(req)
         if self.histate.holds is not None and _finished_not_aborted(req):
             # tool-wait residency: its turn ended where its insert did (SGLang's own session leaf,
-            # `checkpoint_into_tree`: req.last_node, an id in the arena while the request locks it)
-            tail = self.tree_core._node_arena.get(getattr(req, "last_node", None))
+            # `checkpoint_into_tree`: req.last_node, the id of a node the request still locks)
+            try:
+                tail = self.tree_core.node_by_id(req.last_node)
+            except (AttributeError, KeyError):
+                tail = None
             self.histate.on_turn_end(req, tail, self.histate.now())
         super().on_release(req, checkpointed=checkpointed)
 
