@@ -83,7 +83,7 @@ if [ "$total" -gt "$limit" ]; then
     echo "ERROR: the device call would carry $(mib "$total"), over its ${LIMIT_MIB} MiB limit." >&2
     echo "Largest files it would carry:" >&2
     { git ls-files -z --cached --others --exclude-standard | xargs -0 -r stat -c '%s %n' -- 2>/dev/null
-      [ -d "$WHL" ] && find "$WHL" -type f -printf '%s %p\n'; } | sort -rn | head -n 8 |
+      [ -d "$WHL" ] && find "$WHL" -type f -printf '%s %p\n'; } | sort -rn | sed -n '1,8p' |
         while read -r size name; do printf '  %10s  %s\n' "$(mib "$size")" "$name" >&2; done
     echo "Remove stray wheels from $WHL/ or large untracked files (or git-ignore them) and run this again." >&2
     exit 1
