@@ -21,16 +21,9 @@ from histate.sglang_plugin.config import HiStateConfigError, resolve_config
 from histate.sglang_plugin.core_nodes import core_of
 
 from ._sglang_kit import FULL_MAMBA_CONFIGS, assert_histate_invariants, kit_on_cpu
+from sglang_cpu.pools import ManualClock
 
 MAMBA = 2  # sglang ComponentType.MAMBA
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 class WaitRig:
@@ -42,7 +35,7 @@ class WaitRig:
         from sglang.test.kits.unified_radix_cache import fixtures as kit_fixtures
         from histate.sglang_plugin.tree_cache import HiStateRadixCache
 
-        self.clock = _Clock()
+        self.clock = ManualClock()
         config = resolve_config({"enable": True, "tool_wait_prefetch": "on" if tool_wait else None}, {})
         self.kit = UnifiedRadixCacheFixtures()
         self.kit.cfg = dataclasses.replace(FULL_MAMBA_CONFIGS[0], mamba_cache_size=mamba_slots, kv_size=kv_tokens)
@@ -60,7 +53,7 @@ class WaitRig:
         from sglang.srt.mem_cache.common import release_kv_cache
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        self.clock.now_s = at_s
+        self.clock.now = at_s
         if self.pool.mamba_allocator.available_size() < 1:
             self.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
         if self.allocator.available_size() < len(tokens):
@@ -76,7 +69,7 @@ class WaitRig:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        self.clock.now_s = at_s
+        self.clock.now = at_s
         req, _ = self.kit._make_inflight_req(self.cache, self.allocator, self.pool, [7777] * 16, allocated=True)
         self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [7777] * 16)), req=req))
         assert self.cache.evict(EvictParams(num_tokens=0, mamba_num=num)).mamba_num_evicted == num
@@ -149,7 +142,7 @@ def test_the_server_holds_what_the_cores_cache_holds_on_the_same_stream(sglang_p
         assert rig.held_depths() == {n.depth_pages * 16 for n in core.tree.iter_nodes() if n.session_ref > 0}
     # a match alone (a request not finished yet) splitting a held node: the head is held as the tail is
     probe = A[:80] + C[:16]
-    rig.clock.now_s = 33.0
+    rig.clock.now = 33.0
     req, _ = rig.kit._make_inflight_req(rig.cache, rig.allocator, rig.pool, probe, allocated=True)
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey

@@ -95,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "first, the long one yielding at most MAX_YIELDS passes in a row "
                           f"({DEFAULT_MAX_YIELDS}; the plugin's --histate-short-prefill-first, core/prefill_order.py)")
     sim.add_argument("--tool-wait-prefetch", choices=("on", "off"), default="off",
-                     help="tool-wait residency: a finished turn's path is ranked by when its next turn is expected "
-                          "back, from the chain's own gaps (core/tool_wait.py; the plugin's "
-                          "--histate-tool-wait-prefetch; policies that read it: the histate family) (off)")
+                     help="tool-wait residency: a finished turn's path is held, ranked after everything unheld, "
+                          "until its next turn is unlikely to come (the 99th percentile of observed waits, or twice "
+                          "the chain's own longest); core/tool_wait.py, the plugin's --histate-tool-wait-prefetch; "
+                          "policies that read it: the histate family (off)")
     sim.add_argument("--chunked-prefill-size", type=number("tokens", at_least=1, integer=True),
                      help="prefill tokens per forward step for every policy: SGLang's --chunked-prefill-size, vLLM's "
                           f"--max-num-batched-tokens ({DEFAULT_CHUNK_PAGES * STATE_GRID_TOKENS}, both engines' "

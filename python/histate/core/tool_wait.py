@@ -4,8 +4,7 @@ Why: in a coding-agent session every turn after the first follows a gap (a tool 
 caller thinks), and the next turn resumes from where the last one ended. Eq. 7 ranks a unit by when
 it was last used; during the gap the session's path ages like any other, and under pressure it goes
 one cheap unit at a time while the session is about to come back (docs/results.md, the ssd75
-cascade). A cache that predicts when the turn comes back can rank that path by the predicted use
-instead, which is the recency term eq. 7 is a stand-in for.
+cascade). A cache that knows the session is still coming back can keep that path until it does.
 
 What it does, session-less (no client session ids; the same in the simulator and in SGLang's server):
   * a finished request marks the node its insert ended on as a turn end (`TurnEnd`: when it ended,
