@@ -193,8 +193,7 @@ class HybridPrefixCache:
         self.num_open_leases += 1
         self.state.refresh(path if partial is None else path + [partial], path, ckpt_node, now_s)
         self.state.observe_match(result.num_kv_pages, result.end_offset_pages)
-        chain = self.state.on_resume(path[-1] if path else None, now_s)
-        self._release_expired_waits(now_s)
+        chain = self.state.on_resume(path[-1] if path else None, now_s, self.sessions)
         self.stats.on_match(result, len(keys))
         for node in path:
             if node.depth_pages > result.num_reused_pages:
@@ -252,19 +251,12 @@ class HybridPrefixCache:
         tail = path[-1] if path else None
         if self.policy.session_refs:
             self.sessions.register(session_id, tail)
-        hold_key = self.state.on_turn_end(tail, lease.chain, now_s)
-        if hold_key is not None:
-            self.sessions.register(hold_key, tail)
-        self._release_expired_waits(now_s)
+        self.state.on_turn_end(tail, lease.chain, now_s, self.sessions)
         if self.policy.max_states_per_path >= 0 and tail is not None:
             self._cap_path_states(tail, now_s)
         written = {t: b - written_before.get(t, 0) for t, b in self.stats.bytes_written_by_tier.items()
                    if b != written_before.get(t, 0)}
         return InsertResult(num_new, num_ckpts, written)
-
-    def _release_expired_waits(self, now_s: float) -> None:
-        for hold_key in self.state.expired_waits(now_s):
-            self.sessions.close(hold_key)
 
     def close_session(self, session_id, now_s: float) -> None:
         """A client session ended (SGLang's `close_session`): its references go, so its KV and states

@@ -159,21 +159,30 @@ class PolicyState:
 
     # --- tool-wait residency (tool_wait.py) ---------------------------------------------------------
 
-    def on_resume(self, match_end, now_s: float):
+    def on_resume(self, match_end, now_s: float, holds=None):
         """A request matched up to `match_end` (the deepest matched node, None for none): the chain of
-        turns it continues (a `tool_wait.Chain`), to hand back to `on_turn_end`; None when off."""
-        return self.tool_wait.on_resume(match_end, now_s) if self.tool_wait is not None else None
-
-    def on_turn_end(self, tail, chain, now_s: float):
-        """A request finished with its insert ending at `tail`: the key its chain holds the path root ->
-        `tail` with until its deadline (the executor registers it as a session reference), or None."""
-        if self.tool_wait is None or chain is None:
+        turns it continues (a `tool_wait.Chain`), to hand back to `on_turn_end`; None when off. Holds
+        past their deadline are released from `holds` (a `SessionRefs`) first."""
+        if self.tool_wait is None:
             return None
-        return self.tool_wait.on_turn_end(tail, chain, now_s)
+        self.release_expired_waits(now_s, holds)
+        return self.tool_wait.on_resume(match_end, now_s)
 
-    def expired_waits(self, now_s: float) -> list:
-        """Hold keys whose deadline passed: the executor releases them."""
-        return self.tool_wait.expired(now_s) if self.tool_wait is not None else []
+    def on_turn_end(self, tail, chain, now_s: float, holds=None) -> None:
+        """A request finished with its insert ending at `tail`: its chain holds the path root -> `tail` in
+        `holds` (a `SessionRefs`, the executor's) until its deadline; expired holds are released."""
+        if self.tool_wait is None or chain is None:
+            return
+        hold_key = self.tool_wait.on_turn_end(tail, chain, now_s)
+        if hold_key is not None:
+            holds.register(hold_key, tail)
+        self.release_expired_waits(now_s, holds)
+
+    def release_expired_waits(self, now_s: float, holds) -> None:
+        """Close in `holds` every hold whose deadline passed (both executors call this, one rule)."""
+        if self.tool_wait is not None:
+            for hold_key in self.tool_wait.expired(now_s):
+                holds.close(hold_key)
 
     # --- admission (eq. 3-6) -----------------------------------------------------------------------
 

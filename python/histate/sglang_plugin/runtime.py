@@ -182,8 +182,8 @@ class HiStateRuntime:
         if req is not None and self.misses is not None and key is not None:
             self._attribute_misses(req, key, kv_match_tokens, ckpt_node, now_s)
         if req is not None and self.holds is not None:  # the latest match counts (a retried admission)
-            setattr(req, CHAIN_ATTR, self.state.on_resume(path[-1] if path else None, now_s))
-            self._release_expired_waits(now_s)
+            setattr(req, CHAIN_ATTR, self.state.on_resume(path[-1] if path else None, now_s, self.holds))
+            self._count_tool_wait()
         return ckpt_node
 
     # --- tool-wait residency (core/tool_wait.py) ---------------------------------------------------------
@@ -197,14 +197,7 @@ class HiStateRuntime:
         chain = getattr(req, CHAIN_ATTR, None)
         if chain is None:
             return
-        hold_key = self.state.on_turn_end(tail, chain, now_s)
-        if hold_key is not None:
-            self.holds.register(hold_key, tail)
-        self._release_expired_waits(now_s)
-
-    def _release_expired_waits(self, now_s: float) -> None:
-        for hold_key in self.state.expired_waits(now_s):
-            self.holds.close(hold_key)
+        self.state.on_turn_end(tail, chain, now_s, self.holds)
         self._count_tool_wait()
 
     def _count_tool_wait(self) -> None:
