@@ -199,26 +199,37 @@ def main() -> int:
     if len(rows) < len(args.rows):
         print(f"SKIP rows {sorted(set(args.rows) - set(rows))}: {TRACE} not found")
     jobs = [(row, seed) for row in rows for seed in args.seeds]
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress is a nicety
-        def tqdm(it, **_):
-            return it
-    with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {job: pool.submit(run_one, *job, policies, args.out, args.replay_args.split()) for job in jobs}
-        summaries = {job: f.result() for job, f in tqdm(futures.items(), total=len(jobs), desc="replays")}
+    extra = args.replay_args.split()
+    done = run_replays([(row, seed, policies, args.out, extra) for row, seed in jobs], args.jobs)
+    summaries = dict(zip(jobs, done))
     results = {}
     for row in rows:
         agg = aggregate([summaries[row, s] for s in args.seeds], policies)
         results[row] = {"policies": agg, "targets": targets(agg),
                         "paired": paired([summaries[row, s] for s in args.seeds], policies)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results, args.seeds)
-    (args.out / "table.md").write_text(table + "\n")
-    plot(results, args.out)
-    print(table)
+    write_report(args.out, results, markdown(results, args.seeds), plot)
     return 0
+
+
+def run_replays(jobs: list, num_jobs: int) -> list:
+    """`run_one(*job)` for every job, `num_jobs` at a time, with progress; the summaries in job order."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a nicety
+        def tqdm(it, **_):
+            return it
+    with ThreadPoolExecutor(num_jobs) as pool:
+        futures = [pool.submit(run_one, *job) for job in jobs]
+        return [f.result() for f in tqdm(futures, total=len(futures), desc="replays")]
+
+
+def write_report(out: Path, results: dict, table: str, plot_fn) -> None:
+    """results.json, table.md and the plot under `out`; the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "table.md").write_text(table + "\n")
+    plot_fn(results, out)
+    print(table)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ the same policy without it, paired by seed (issue 31 item 2; docs/tool_wait.md).
     .venv/bin/python benchmark/tool_wait.py [--rows ssd75 cpu48 ...] [--seeds 0 1 2] [--jobs 2] [--out out/tool_wait]
         [--replay-args "..."]
 
-Runs (resumable, through benchmark/robustness.py's `run_one`) every (row, seed) twice: `off` replays
+Runs (resumable, through benchmark/robustness.py's `run_replays`) every (row, seed) twice: `off` replays
 histate, vllm-disk and unlimited; `on` replays histate with the flag. Reports per row, medians over seeds:
   * p95 and p99 TTFT, off and on, and the median of the per-seed ratios on/off (the issue's bound: <= 1.02);
   * the reuse-sensitive cohort's mean TTFT, with the cohort fixed by the `off` run (paper §4.2: vllm-disk
@@ -22,11 +22,10 @@ import csv
 import json
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from robustness import ROWS, TRACE, run_one  # noqa: E402
+from robustness import ROWS, TRACE, run_replays, write_report  # noqa: E402
 
 OFF_POLICIES = ["histate", "vllm-disk", "unlimited"]
 COHORT_THRESHOLD = 0.05  # histate.sim.metrics.reuse_sensitive_uids
@@ -131,20 +130,9 @@ def main() -> int:
         return 0
     jobs = [(row, seed, policies, args.out / name, extra + flags) for row in args.rows for seed in args.seeds
             for name, policies, flags in (("off", OFF_POLICIES, []), ("on", ["histate"], ["--tool-wait-prefetch", "on"]))]
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress is a nicety
-        def tqdm(it, **_):
-            return it
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for future in tqdm([pool.submit(run_one, *job) for job in jobs], desc="replays"):
-            future.result()
+    run_replays(jobs, args.jobs)
     results = {row: row_result(row, args.seeds, args.out) for row in args.rows}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results, args.seeds)
-    (args.out / "table.md").write_text(table + "\n")
-    plot(results, args.out)
-    print(table)
+    write_report(args.out, results, markdown(results, args.seeds), plot)
     return 0
 
 
