@@ -23,6 +23,7 @@ import types
 import pytest
 
 from histate.sglang_plugin import hook_points, hooks, plugin
+from histate.sglang_plugin.cli_hooks import upstream_plugin_args
 from histate.sglang_plugin.config import HiStateConfigError
 
 from .test_plugin_cli import _one_line_error
@@ -138,6 +139,13 @@ def test_a_target_that_fails_to_apply_refuses_the_group(registry, monkeypatch):
     assert "histate_hook_probe.Probe.helper" not in registry._hooks  # not retried by later apply_hooks
 
 
+stock_server_args_path = pytest.mark.skipif(
+    upstream_plugin_args() is not None,
+    reason="upstream/series 0003 applied: the flags are declared to SGLang, no ServerArgs hook is installed "
+           "(upstream/tests/test_plugin_takes_the_patched_paths.py::test_0003_... checks that path)")
+
+
+@stock_server_args_path
 def test_the_server_args_hooks_are_installed_as_a_verified_group(sglang_plugins):
     from sglang.srt.server_args import ServerArgs
 
@@ -160,6 +168,7 @@ def _fresh_register(monkeypatch, server_args_path):
     return resolution_hooks
 
 
+@stock_server_args_path
 def test_register_refuses_to_start_histate_when_its_server_args_hooks_cannot_be_installed(
         sglang_plugins, monkeypatch, capsys, registry):
     """`load_plugins` only logs an exception from a plugin, so a process that asks for HiState exits
@@ -175,6 +184,7 @@ def test_register_refuses_to_start_histate_when_its_server_args_hooks_cannot_be_
     assert steps._HOOKS == before  # no resolution step registered
 
 
+@stock_server_args_path
 def test_register_failure_without_histate_requested_is_an_error_sglang_logs(sglang_plugins, monkeypatch, registry):
     _fresh_register(monkeypatch, "sglang.srt.server_args.RenamedServerArgs")
     monkeypatch.setattr(sys, "argv", ["sglang.launch_server", "--model-path", "m"])

@@ -95,10 +95,13 @@ def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_
                     install_short_prefill_first, install_meta_info_hook, install_hint_check):
         install()
     from histate.sglang_plugin.chunking import upstream_cut_grid
+    from histate.sglang_plugin.cli_hooks import upstream_plugin_args
 
     ours = {target for target, entries in HookRegistry._hooks.items()
             if any(getattr(entry[1], "__module__", "").startswith("histate.") for entry in entries)}
     superseded = {"chunking"} if upstream_cut_grid() else set()  # upstream/series 0002 applied (make upstream-check)
+    if upstream_plugin_args() is not None:  # 0003 applied: the flags are declared to SGLang, not hooked
+        superseded.add("server_args")
     assert ours == {point.target for point in hook_points.REGISTRY_HOOKS if point.owner not in superseded}
 
 

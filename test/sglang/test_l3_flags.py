@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from histate.sglang_plugin.cli_hooks import stashed_config
 from histate.sglang_plugin import server_settings
 from histate.sglang_plugin.config import HiStateConfigError, resolve_config
 
@@ -43,7 +44,7 @@ def _extra(sa) -> dict:
 def test_l3_is_off_by_default_and_changes_nothing(sglang_plugins, tmp_path):
     sa = _prepare(["--enable-histate", "--histate-ssd-dir", str(tmp_path)])
     extra = _extra(sa)
-    assert sa._histate_config.l3 == "off"
+    assert stashed_config(sa).l3 == "off"
     assert "l3" not in extra["histate"] and "interface_v1" not in extra
 
 
@@ -51,7 +52,7 @@ def test_l3_mooncake_with_the_master_from_env(sglang_plugins, tmp_path, monkeypa
     monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:50051")
     sa = _prepare(["--enable-histate", "--histate-ssd-dir", str(tmp_path), "--histate-l3", "mooncake"])
     extra = _extra(sa)
-    assert sa._histate_config.l3 == "mooncake" and sa._histate_config.sources["l3"] == "cli"
+    assert stashed_config(sa).l3 == "mooncake" and stashed_config(sa).sources["l3"] == "cli"
     assert extra["histate"]["l3"] == "mooncake"
     assert extra["interface_v1"] == 1  # KV pages with host indices: Mooncake's zero-copy path
     assert sa.hicache_storage_backend == "dynamic"
@@ -106,7 +107,7 @@ def test_engine_path_reads_histate_l3_and_raises_for_the_caller(sglang_plugins, 
     monkeypatch.setenv("MOONCAKE_MASTER", "127.0.0.1:50051")
     sa = ServerArgs(model_path="dummy")
     sa.resolve_once()
-    assert _extra(sa)["histate"]["l3"] == "mooncake" and sa._histate_config.sources["l3"] == "env"
+    assert _extra(sa)["histate"]["l3"] == "mooncake" and stashed_config(sa).sources["l3"] == "env"
 
 
 def test_the_storage_section_checks_l3():

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from histate.sglang_plugin.cli_hooks import stashed_config
 from histate.sglang_plugin.config import (
     DEFAULT_INTERVALS_TOKENS,
     OPTIONS,
@@ -96,12 +97,12 @@ def test_enable_histate_resolves_sglang_settings(sglang_plugins, tmp_path):
     extra = json.loads(sa.hicache_storage_backend_extra_config)
     assert extra["module_path"] == STORAGE_MODULE_PATH and extra["class_name"] == STORAGE_CLASS_NAME
     assert extra["histate"] == {"ssd_dirs": ssd, "ssd_size_bytes": 2 * 2**30, "io_backend": "auto"}
-    cfg = sa._histate_config
+    cfg = stashed_config(sa)
     assert (cfg.enable, cfg.intervals_tokens, cfg.tau_s) == (True, (1024, 2048, 4096), 30.0)
     assert cfg.sources["tau_s"] == "cli" and cfg.sources["host_state_slots"] == "default"
     sa.resolve_once()  # the hook must not write after resolution started
     child = pickle.loads(pickle.dumps(sa))  # what spawn() does on the way to the scheduler
-    assert child._histate_config == cfg
+    assert stashed_config(child) == cfg
     assert child.radix_cache_backend == "histate"
 
 
@@ -175,7 +176,7 @@ def test_without_the_flag_nothing_changes(sglang_plugins):
     assert sa.radix_cache_backend is None
     assert sa.enable_hierarchical_cache is False
     assert sa.hicache_storage_backend is None
-    assert sa._histate_config.enable is False
+    assert stashed_config(sa).enable is False
 
 
 @pytest.mark.parametrize(
@@ -229,7 +230,7 @@ def test_histate_flags_need_enable_histate(sglang_plugins, capsys, argv, flag):
 def test_histate_env_vars_without_enable_are_ignored(sglang_plugins, monkeypatch):
     """Env vars may be set for a whole host; only flags on this command line are checked."""
     monkeypatch.setenv("HISTATE_TAU", "5")
-    assert _prepare([])._histate_config.enable is False
+    assert stashed_config(_prepare([])).enable is False
 
 
 def test_a_bad_choice_is_one_line_not_sglangs_usage(sglang_plugins, capsys):
@@ -249,7 +250,7 @@ def test_engine_kwargs_path_reads_env_vars(sglang_plugins, monkeypatch, tmp_path
     sa.resolve_once()
     assert sa.radix_cache_backend == "histate" and sa.enable_hierarchical_cache is True
     assert sa.enable_unified_memory is False
-    cfg = sa._histate_config
+    cfg = stashed_config(sa)
     assert cfg.ssd_dirs == (f"{tmp_path}/x", f"{tmp_path}/y") and cfg.tau_s == 12.5
     assert cfg.sources["tau_s"] == "env"
 
@@ -268,7 +269,7 @@ def test_cli_flag_beats_env_var(sglang_plugins, monkeypatch):
     monkeypatch.setenv("HISTATE_TAU", "5")
     monkeypatch.setenv("HISTATE_HOST_STATE_SLOTS", "7")
     sa = _prepare(["--enable-histate", "--histate-tau", "9"])
-    assert sa._histate_config.tau_s == 9.0 and sa._histate_config.host_state_slots == 7
+    assert stashed_config(sa).tau_s == 9.0 and stashed_config(sa).host_state_slots == 7
 
 
 def test_bad_values_name_their_flag_or_env_var(sglang_plugins, capsys, monkeypatch):
@@ -372,7 +373,7 @@ def test_hybrid_model_resolves_with_default_intervals_on_a_256_token_grid(sglang
                                   "--enable-histate", *CPU_RESOLVABLE])
     record.resolve_once()
     assert state_grid_tokens(record) == 256
-    assert record._histate_config.intervals_pages(256)[0] == 1
+    assert stashed_config(record).intervals_pages(256)[0] == 1
 
 
 def test_given_intervals_off_the_grid_fail_at_the_argument_phase(sglang_plugins, capsys, tmp_path):

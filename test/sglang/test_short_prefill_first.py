@@ -22,6 +22,7 @@ from unittest import mock
 import pytest
 
 from histate.core import Tier
+from histate.sglang_plugin.cli_hooks import stashed_config
 
 from ._scheduler_rig import GRID, PAGE, SchedulerRig, new_req
 
@@ -389,12 +390,12 @@ def test_flags_resolve_and_keep_the_schedule_policy(sglang_plugins):
 
     sa = _prepare(["--enable-histate", "--histate-short-prefill-first", "--histate-short-prefill-max-yields", "3",
                    "--schedule-policy", "shortest-prefill-first"])
-    cfg = sa._histate_config
+    cfg = stashed_config(sa)
     assert (cfg.short_prefill_first, cfg.short_prefill_max_yields) == (True, 3)
     assert sa.schedule_policy == "shortest-prefill-first"  # the queue order stays SGLang's
-    default = _prepare(["--enable-histate"])._histate_config
+    default = stashed_config(_prepare(["--enable-histate"]))
     assert (default.short_prefill_first, default.short_prefill_max_yields) == (False, DEFAULT_MAX_YIELDS)
-    assert _prepare(["--enable-histate", "--histate-short-prefill-first"])._histate_config.short_prefill_max_yields \
+    assert stashed_config(_prepare(["--enable-histate", "--histate-short-prefill-first"])).short_prefill_max_yields \
         == DEFAULT_MAX_YIELDS
 
 
@@ -422,4 +423,4 @@ def test_zero_max_yields_is_refused_and_the_env_var_path_works(sglang_plugins, c
     monkeypatch.setenv("HISTATE_SHORT_PREFILL_MAX_YIELDS", "7")
     sa = ServerArgs(model_path="dummy")
     sa.resolve_once()
-    assert (sa._histate_config.short_prefill_first, sa._histate_config.short_prefill_max_yields) == (True, 7)
+    assert (stashed_config(sa).short_prefill_first, stashed_config(sa).short_prefill_max_yields) == (True, 7)

@@ -63,3 +63,46 @@ def test_0002_cuts_come_from_the_caches_grid_not_from_hooks():
     assert not any(t.startswith("sglang.srt.managers.schedule_policy.PrefillAdder") and HookRegistry.is_patched(t)
                    for t in HookRegistry._hooks)
     assert "cache_cut_grid" in PrefillAdder.__init__.__code__.co_names
+
+
+def test_0003_histate_flags_are_declared_to_sglang_not_hooked_onto_server_args():
+    """register() puts HiState's spec in SGLang's plugin-argument registry and patches no ServerArgs method."""
+    from sglang.srt.arg_groups.plugin_args import plugin_config, registered_plugin_args
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    from histate.sglang_plugin import cli_hooks
+
+    load_plugins()
+    assert [spec.name for spec in registered_plugin_args()] == [cli_hooks.PLUGIN_ARGS_NAME]
+    assert not hooks.is_installed("server_args")
+    assert not any(t.startswith("sglang.srt.server_args.ServerArgs.") for t in HookRegistry._hooks)
+    assert not hasattr(ServerArgs.from_cli_args, "__wrapped__")
+    record = prepare_server_args(["--model-path", "dummy", "--enable-histate", "--histate-tau", "90"])
+    config = plugin_config(record, cli_hooks.PLUGIN_ARGS_NAME)
+    assert config.enable and config.tau_s == 90.0
+    assert not hasattr(record, "_histate_config")  # the plugin's own stash is not used
+    assert record.radix_cache_backend == "histate"  # implied settings written through the spec's apply
+
+
+def test_0003_a_declaration_sglang_refuses_fails_closed(monkeypatch, capsys):
+    """Another spec already owns the name: a process that asks for HiState exits in one line (as on
+    stock when the ServerArgs hooks cannot be installed), and nothing else is registered."""
+    from sglang.srt.arg_groups import plugin_args
+    from sglang.srt.arg_groups.plugin_args import PluginArgs, register_plugin_args
+    from sglang.srt.mem_cache import registry
+
+    from histate.sglang_plugin import cli_hooks, plugin
+
+    monkeypatch.setattr(plugin_args, "_REGISTRY", {})
+    register_plugin_args(PluginArgs(name=cli_hooks.PLUGIN_ARGS_NAME, title="someone else's",
+                                    add_arguments=lambda group: None, parse=lambda namespace: None))
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(sys, "argv", ["sglang.launch_server", "--model-path", "m", "--enable-histate"])
+    backends_before = set(registry.registered_radix_cache_backends())
+    with pytest.raises(SystemExit) as exit_info:
+        plugin.register()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "sglang serve: error: --enable-histate: plugin arguments 'histate' are already registered by another spec")
+    assert set(registry.registered_radix_cache_backends()) == backends_before

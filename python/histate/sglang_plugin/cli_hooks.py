@@ -15,13 +15,18 @@ naming the flag, exit status 2, no traceback. That holds for errors found while 
 (`from_cli_args`) and, for records that came from the command line, for those found once the
 model config is known (`resolve_once`, see plugin.py). On the `Engine(**kwargs)` path the same
 errors are raised as `HiStateConfigError` for the caller.
+
+On a SGLang with plugin-declared arguments (upstream/series 0003, `sglang.srt.arg_groups.plugin_args`)
+none of the three hooks is installed: `plugin_args_spec()` declares the same group, parser and
+`_apply` to SGLang, which adds, parses, applies and stashes them itself (same flags, same errors).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import Any, NoReturn
+from types import ModuleType
+from typing import Any, NoReturn, Optional
 
 from .config import (CONFIG_ATTR, OPTIONS, HiStateConfig, HiStateConfigError, cli_dest, cli_values_from_namespace,
                      resolve_config)
@@ -36,11 +41,29 @@ FROM_CLI_ATTR = "_histate_from_cli"
 """Underscore bookkeeping attribute: this record was parsed from a command line."""
 
 
+PLUGIN_ARGS_NAME = "histate"
+"""Our name in SGLang's plugin-argument registry (upstream/series 0003)."""
+
+
+def upstream_plugin_args() -> Optional[ModuleType]:
+    """SGLang's plugin-declared arguments API (upstream/series 0003) if this SGLang has it, else None
+    (stock 0.5.23: the three ServerArgs hooks)."""
+    try:
+        from sglang.srt.arg_groups import plugin_args
+    except ImportError:
+        return None
+    return plugin_args
+
+
 def add_histate_arguments(parser: Any) -> None:
     """Add the HiState argument group; a no-op if the parser already has it."""
     if "--enable-histate" in getattr(parser, "_option_string_actions", {}):
         return
-    group = parser.add_argument_group(ARG_GROUP_TITLE)
+    add_histate_options(parser.add_argument_group(ARG_GROUP_TITLE))
+
+
+def add_histate_options(group: Any) -> None:
+    """Our flags, into an argparse group (ours on stock SGLang, SGLang's under series 0003)."""
     for opt in OPTIONS:
         help_text = f"{opt.help} [env: {opt.env}]".replace("%", "%%")  # argparse %-formats help
         if opt.is_switch:
@@ -85,14 +108,27 @@ def exit_with_usage_error(message: str) -> NoReturn:
 
 def report_config_error(record: Any, error: HiStateConfigError) -> NoReturn:
     """A command-line record: one line and exit 2. Otherwise (Engine): raise for the caller."""
-    if getattr(record, FROM_CLI_ATTR, False):
+    api = upstream_plugin_args()
+    if getattr(record, FROM_CLI_ATTR, False) or (api is not None and api.parsed_from_command_line(record)):
         exit_with_usage_error(str(error))
     raise error
 
 
+def parse_config(namespace: Any) -> HiStateConfig:
+    """Flags > env vars > defaults; `namespace` None: a record built without a command line (Engine)."""
+    return resolve_config(cli_values_from_namespace(namespace) if namespace is not None else {}, os.environ)
+
+
+def plugin_args_spec(api: ModuleType) -> Any:
+    """What series 0003's registry needs: the same group, parser and `_apply` the hooks below use.
+    Our `HiStateConfigError` is a ValueError, which SGLang turns into a one-line exit 2 on a command line."""
+    return api.PluginArgs(name=PLUGIN_ARGS_NAME, title=ARG_GROUP_TITLE, add_arguments=add_histate_options,
+                          parse=parse_config, apply=_apply)
+
+
 def from_cli_args_around(original: Any, cls: Any, args: Any) -> Any:
     try:
-        config = resolve_config(cli_values_from_namespace(args), os.environ)
+        config = parse_config(args)
         record = original(cls, args)
         setattr(record, CONFIG_ATTR, config)
         setattr(record, FROM_CLI_ATTR, True)
@@ -107,7 +143,7 @@ def resolve_once_before(record: Any, *args: Any, **kwargs: Any) -> None:
         return None  # a pickled copy in a child process: already resolved in the launcher
     config = getattr(record, CONFIG_ATTR, None)
     if config is None:
-        config = resolve_config({}, os.environ)
+        config = parse_config(None)
         setattr(record, CONFIG_ATTR, config)
     try:
         _apply(record, config)
@@ -116,7 +152,15 @@ def resolve_once_before(record: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
+def stashed_config(server_args: Any) -> Optional[HiStateConfig]:
+    """The config parsed for this (possibly pickled) ServerArgs: SGLang's plugin-argument stash under
+    series 0003, ours on stock SGLang; None if it was never parsed."""
+    api = upstream_plugin_args()
+    config = api.plugin_config(server_args, PLUGIN_ARGS_NAME) if api is not None else None
+    return config if config is not None else getattr(server_args, CONFIG_ATTR, None)
+
+
 def config_of(server_args: Any) -> HiStateConfig:
     """The stashed config of a (possibly pickled) ServerArgs; env vars if nothing was stashed."""
-    config = getattr(server_args, CONFIG_ATTR, None)
-    return config if config is not None else resolve_config({}, os.environ)
+    config = stashed_config(server_args)
+    return config if config is not None else parse_config(None)

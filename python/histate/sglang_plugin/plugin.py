@@ -4,7 +4,8 @@ SGLang calls `register()` through `sglang.srt.plugins.load_plugins()` in every p
 (launcher before argv parsing, Engine, each spawned scheduler), then `HookRegistry.apply_hooks()`.
 `register()` must therefore be cheap and idempotent. It only declares:
   * the ServerArgs hooks that add and apply `--enable-histate` / `--histate-*` (cli_hooks), installed
-    and verified as one group (hooks.install_once: every target must end up patched);
+    and verified as one group (hooks.install_once: every target must end up patched); on a SGLang
+    with plugin-declared arguments (upstream/series 0003) the same flags are declared to it instead;
   * a resolution-step wrapper that, once the model config is known, refuses models and modes no test
     proves (non-hybrid models, recurrent layers other than Qwen3-Next / Qwen3.5 Gated-DeltaNet,
     attention DP, full prefill CUDA graphs) and checks the intervals against the state grid;
@@ -213,10 +214,15 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    from .cli_hooks import plugin_args_spec, upstream_plugin_args
     from .hooks import install_once
 
     try:
-        install_once(SERVER_ARGS_GROUP, server_args_hooks())
+        api = upstream_plugin_args()
+        if api is not None:  # upstream/series 0003: SGLang owns the flags' whole path
+            api.register_plugin_args(plugin_args_spec(api))
+        else:
+            install_once(SERVER_ARGS_GROUP, server_args_hooks())
         from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
         register_resolution_hook(_RESOLUTION_STEP)(_check_model)
