@@ -106,3 +106,37 @@ def test_0003_a_declaration_sglang_refuses_fails_closed(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "sglang serve: error: --enable-histate: plugin arguments 'histate' are already registered by another spec")
     assert set(registry.registered_radix_cache_backends()) == backends_before
+
+
+def test_0004_histate_series_are_made_by_sglangs_cache_collector(monkeypatch):
+    """With `add_counter` / `add_gauge`, every HiState series comes from the collector SGLang built for the
+    cache; the plugin's own prometheus_client path is not taken."""
+    import prometheus_client
+    from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
+    from sglang.srt.runtime_context import get_parallel
+
+    from histate.sglang_plugin import metrics
+    from sglang_cpu.pools import build_cache, build_pools, publish_server_args
+    from sglang.srt.plugins import load_plugins
+    from test.sglang.test_metrics_export import FakeFamily
+
+    load_plugins()
+    FakeFamily.made = {}
+    for attr in ("_counter_cls", "_gauge_cls", "_histogram_cls"):
+        monkeypatch.setattr(RadixCacheMetricsCollector, attr, FakeFamily)
+    made_by_collector = []
+    add_counter, add_gauge = RadixCacheMetricsCollector.add_counter, RadixCacheMetricsCollector.add_gauge
+    monkeypatch.setattr(RadixCacheMetricsCollector, "add_counter",
+                        lambda self, name, *a, **k: made_by_collector.append(name) or add_counter(self, name, *a, **k))
+    monkeypatch.setattr(RadixCacheMetricsCollector, "add_gauge",
+                        lambda self, name, *a, **k: made_by_collector.append(name) or add_gauge(self, name, *a, **k))
+    monkeypatch.setattr(prometheus_client, "Counter", lambda *a, **k: pytest.fail("the plugin's own Counter"))
+    monkeypatch.setattr(prometheus_client, "Gauge", lambda *a, **k: pytest.fail("the plugin's own Gauge"))
+    monkeypatch.setattr(metrics, "_shared", {})
+    assert metrics.upstream_cache_series()
+    publish_server_args()
+    with get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+        cache = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8), params_fields={"enable_metrics": True})
+    ours = sorted(name for name in FakeFamily.made if name.startswith("sglang:histate_"))
+    assert ours and sorted(f"sglang:{name}" for name in made_by_collector) == ours
+    assert cache.histate.metrics.labels == cache.metrics_collector.labels

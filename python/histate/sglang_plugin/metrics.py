@@ -44,6 +44,8 @@ from histate.core import SGLANG_TIER_NAMES
 
 TIERS = tuple(SGLANG_TIER_NAMES.values())
 UNITS = ("checkpoint", "bundle")
+GAUGES = frozenset({"checkpoints"})
+"""Series that are gauges (set, not incremented); the rest are counters."""
 
 _shared: dict[tuple, "HiStateMetrics"] = {}
 _shared_lock = threading.Lock()
@@ -70,10 +72,33 @@ class HiStateMetrics:
         gauge_cls = gauge_cls or PromGauge
         registry = registry if registry is not None else REGISTRY
         names = list(self.labels)
+        self._define_series(
+            lambda key, doc, extra: counter_cls(name=f"sglang:histate_{key}", documentation=doc,
+                                                labelnames=names + list(extra), registry=registry),
+            lambda key, doc, extra: gauge_cls(name=f"sglang:histate_{key}", documentation=doc,
+                                              labelnames=names + list(extra), multiprocess_mode="mostrecent",
+                                              registry=registry))
+
+    def export_through(self, collector: Any) -> None:
+        """Create the series through SGLang's radix-cache collector (upstream/series 0004: `add_counter` /
+        `add_gauge`): its rank labels and its metric backend (prometheus_client, or the one `stat_loggers`
+        injects, e.g. Ray), instead of prometheus_client and labels of our own. What was recorded before
+        (plain totals) is carried into the new series."""
+        self.labels = dict(collector.labels)
+        self._define_series(lambda key, doc, extra: collector.add_counter(f"histate_{key}", doc, extra),
+                            lambda key, doc, extra: collector.add_gauge(f"histate_{key}", doc, extra))
+        for tally_key, value in self.totals.items():
+            key, values = (tally_key, ()) if isinstance(tally_key, str) else (tally_key[0], tally_key[1:])
+            if value:
+                bound = self._prom[key].labels(**self.labels, **dict(zip(self._extra_names[key], values)))
+                bound.set(value) if key in GAUGES else bound.inc(value)
+
+    def _define_series(self, make_counter: Any, make_gauge: Any) -> None:
+        self._extra_names: dict[str, tuple] = {}
 
         def counter(key: str, doc: str, extra: tuple = ()) -> None:
-            self._prom[key] = counter_cls(name=f"sglang:histate_{key}", documentation=doc,
-                                          labelnames=names + list(extra), registry=registry)
+            self._extra_names[key] = tuple(extra)
+            self._prom[key] = make_counter(key, doc, tuple(extra))
 
         counter("prefix_hits_total", "Prefix matches that reuse a checkpoint, by the checkpoint's tier.",
                 ("tier",))
@@ -108,9 +133,8 @@ class HiStateMetrics:
         counter("tool_wait_turns_total", "Tool-wait residency (--histate-tool-wait-prefetch on): 'held' (a finished "
                 "turn's path held for its next turn), 'expired' (a hold let go at its deadline), 'back_in_time' / "
                 "'back_late' (a held turn's continuation matched before / after its deadline).", ("event",))
-        self._prom["checkpoints"] = gauge_cls(
-            name="sglang:histate_checkpoints", documentation="Checkpoints resident per tier.",
-            labelnames=names + ["tier"], multiprocess_mode="mostrecent", registry=registry)
+        self._extra_names["checkpoints"] = ("tier",)
+        self._prom["checkpoints"] = make_gauge("checkpoints", "Checkpoints resident per tier.", ("tier",))
 
     def _inc(self, key: str, amount: float, **extra: str) -> None:
         tally_key = key if not extra else (key, *extra.values())
@@ -189,6 +213,15 @@ def shared_metrics(labels: Optional[Mapping[str, str]] = None, *, export: bool =
             metrics = HiStateMetrics(labels, export=export)
             _shared[key] = metrics
         return metrics
+
+
+def upstream_cache_series() -> bool:
+    """Whether SGLang's radix-cache collector creates a cache backend's own series (upstream/series 0004:
+    `RadixCacheMetricsCollector.add_counter` / `add_gauge`). Then HiState's series are made through the
+    collector SGLang built for the cache, with its labels and metric backend."""
+    from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
+
+    return hasattr(RadixCacheMetricsCollector, "add_counter")
 
 
 def radix_cache_labels(cache_class_name: str) -> dict[str, str]:

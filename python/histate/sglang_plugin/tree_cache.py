@@ -27,7 +27,7 @@ from .config import HiStateConfig, HiStateConfigError, resolve_config
 from .hook_points import check_overrides
 from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
 from .clock import AgreedClock
-from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics
+from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics, upstream_cache_series
 from .runtime import HiStateRuntime
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import register_tree_core
@@ -74,9 +74,13 @@ class HiStateRadixCache(UnifiedRadixCache):
             ComponentType.MAMBA: HiStateMambaComponent,
         }
         params.tree_core_backend = TREE_CORE_BACKEND
+        export_through_collector = False
         if metrics is None:
+            # Under upstream/series 0004 the series are made through the collector SGLang builds for this
+            # cache in super().__init__ (its labels and metric backend); before it, through our own.
+            export_through_collector = bool(params.enable_metrics) and upstream_cache_series()
             metrics = (shared_metrics(radix_cache_labels(type(self).__name__), export=True)
-                       if params.enable_metrics else HiStateMetrics())
+                       if params.enable_metrics and not export_through_collector else HiStateMetrics())
         self.agreed_clock = AgreedClock(local_clock) if clock is None else None
         kv_bytes = kv_bytes_per_token(params.token_to_kv_pool_allocator.get_kvcache())
         state_bytes = mamba_slot_bytes(params.req_to_token_pool.mamba_pool)
@@ -87,6 +91,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         self._hs_agreeing = False
         self._hs_inserting = None  # the capture.Capture `checkpoint` is inserting (components.py reads it)
         super().__init__(params)
+        if export_through_collector and self.metrics_collector is not None:
+            metrics.export_through(self.metrics_collector)
         self.tree_core.histate = self.histate
         self.histate.victims.tree_core = self.tree_core
         self.histate.attach_tree(self.tree_core.root_node)
