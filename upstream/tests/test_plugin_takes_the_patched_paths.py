@@ -140,3 +140,22 @@ def test_0004_histate_series_are_made_by_sglangs_cache_collector(monkeypatch):
     ours = sorted(name for name in FakeFamily.made if name.startswith("sglang:histate_"))
     assert ours and sorted(f"sglang:{name}" for name in made_by_collector) == ours
     assert cache.histate.metrics.labels == cache.metrics_collector.labels
+
+
+def test_0005_the_change_feed_comes_from_sglangs_tree_core_observers():
+    """HiState's tree core overrides none of SGLang's private mutators; its observer is registered with the
+    core, and the victim heaps still hear an insert (a leaf the eviction walk can pop)."""
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
+    from histate.sglang_plugin import tree_core
+    from sglang_cpu.pools import build_cache, build_pools, publish_server_args
+
+    assert tree_core.OBSERVED_BY_SGLANG
+    overridden = {name for name, value in vars(tree_core.HiStateTreeCore).items()
+                  if callable(value) and name in vars(UnifiedTreeCore)}
+    assert overridden == set(), overridden
+    publish_server_args()
+    cache = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8))
+    observers = cache.tree_core._observers
+    assert [type(o) for o in observers] == [tree_core.HiStateTreeObserver]
+    assert observers[0].histate is cache.histate

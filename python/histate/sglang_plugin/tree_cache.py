@@ -30,7 +30,7 @@ from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics, upstream_cache_series
 from .runtime import HiStateRuntime
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
-from .tree_core import register_tree_core
+from .tree_core import HiStateTreeObserver, register_tree_core
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         super().__init__(params)
         if export_through_collector and self.metrics_collector is not None:
             metrics.export_through(self.metrics_collector)
-        self.tree_core.histate = self.histate
+        self.tree_core.attach_observer(HiStateTreeObserver(self.histate, self.tree_core))
         self.histate.victims.tree_core = self.tree_core
         self.histate.attach_tree(self.tree_core.root_node)
         self._agree_sizes()

@@ -2,14 +2,19 @@
 
 Registered as tree-core backend "histate" (`register_tree_core_backend`, SGLang's registry for tree
 cores) and selected per cache through `CacheInitParams.tree_core_backend`. It is the stock
-`UnifiedTreeCore` plus notifications to the cache's `HiStateRuntime`; tree semantics are untouched:
+`UnifiedTreeCore`; tree semantics are untouched. What HiState does when the tree changes is
+`HiStateTreeObserver`:
   * every evictable-leaf-set update (insert, split, lock release, eviction, demote) and every
     duplicate-tracking update (the D->H / H->D acknowledgements that clear DMA marks): the node may have
     become, stopped being or changed eviction unit (`TierVictims.on_change`); a leaf-set update may also
     have made an SSD-homing candidate historical (`SsdTier.on_tree_change`);
   * a state materialised on the device (load-back): a new unit;
+  * KV loaded back from the host: a new stay on the device;
   * a node unlinked (`TierVictims.on_removed`, and the SSD tier forgets or orphans its objects);
   * reset.
+On a SGLang whose tree core reports its changes (upstream/series 0005, `UnifiedTreeCore.add_observer`)
+the observer is registered with it; on stock 0.5.23 `HiStateTreeCore` overrides the six private
+mutators that make those changes and calls the same observer.
 """
 from __future__ import annotations
 
@@ -24,46 +29,66 @@ from .core_nodes import core_of
 BACKEND_NAME = "histate"
 
 
-class HiStateTreeCore(UnifiedTreeCore):
-    histate: Any = None  # the cache's HiStateRuntime, set by HiStateRadixCache after construction
+OBSERVED_BY_SGLANG = hasattr(UnifiedTreeCore, "add_observer")
+"""upstream/series 0005 applied: the tree core calls observers itself (no private override here)."""
 
-    def _update_evictable_leaf_sets(self, node: Any) -> None:
-        super()._update_evictable_leaf_sets(node)
-        if self.histate is not None:
-            core = core_of(node)
-            self.histate.victims.on_change(core)
-            if self.histate.ssd_tier is not None:
-                self.histate.ssd_tier.on_tree_change(core)
 
-    def _update_duplicate_tracking(self, node: Any) -> None:
-        super()._update_duplicate_tracking(node)
-        if self.histate is not None and node is not self.root_node:
+class HiStateTreeObserver:
+    """The victim heaps' and the SSD tier's change feed (the methods of SGLang's `TreeCoreObserver`)."""
+
+    def __init__(self, histate: Any, tree_core: Any):
+        self.histate = histate  # the cache's HiStateRuntime
+        self.tree_core = tree_core
+
+    def on_evictable_changed(self, node: Any) -> None:
+        core = core_of(node)
+        self.histate.victims.on_change(core)
+        if self.histate.ssd_tier is not None:
+            self.histate.ssd_tier.on_tree_change(core)
+
+    def on_duplicate_tracking_changed(self, node: Any) -> None:
+        if node is not self.tree_core.root_node:
             self.histate.victims.on_change(core_of(node))
 
-    def set_component_device_value(self, node_id: Any, component_type: Any, value: Any) -> None:
+    def on_component_materialized(self, node: Any, component_type: Any) -> None:
         """An auxiliary component's device value materialised (MAMBA is the only one here: an insert's
         commit on an existing node, or a load-back). A historical state loaded back for a request goes
         back to SSD-only once unused (ssd_tier.py)."""
-        super().set_component_device_value(node_id, component_type, value)
-        if self.histate is not None:
-            node = core_of(self.node_by_id(node_id))
-            self.histate.victims.on_change(node)
-            if self.histate.ssd_tier is not None:
-                self.histate.ssd_tier.note_state_copy(node)
+        core = core_of(node)
+        self.histate.victims.on_change(core)
+        if self.histate.ssd_tier is not None:
+            self.histate.ssd_tier.note_state_copy(core)
 
-    def commit_load_back(self, node_id: Any, device_indices: Any, kv_xfer: Any, comp_xfers: Any) -> Any:
+    def on_load_back(self, node: Any, loaded_node_ids: Any) -> None:
         """KV loaded back from the host: a new stay on the device (T_KV starts again) and bytes into it
         (Little's law), as the core's `Placement.promote_kv` counts a promotion. A state loaded back is
         the restore of one checkpoint for the request, which the core does not count as an arrival
         either: its node copy goes back to SSD-only once the request moved on (ssd_tier.py)."""
-        actions = super().commit_load_back(node_id, device_indices, kv_xfer, comp_xfers)
-        if self.histate is not None:
-            now_s, kv_bytes_per_token = self.histate.now(), self.histate.core_config.kv_bytes_per_token
-            for loaded_id in kv_xfer.nodes_to_load or ():
-                node = self.node_by_id(loaded_id)
-                core_of(node).kv_created_s = now_s
-                self.histate.bytes_in(Tier.GPU, len(node.key) * kv_bytes_per_token)
-        return actions
+        now_s, kv_bytes_per_token = self.histate.now(), self.histate.core_config.kv_bytes_per_token
+        for loaded_id in loaded_node_ids:
+            loaded = self.tree_core.node_by_id(loaded_id)
+            core_of(loaded).kv_created_s = now_s
+            self.histate.bytes_in(Tier.GPU, len(loaded.key) * kv_bytes_per_token)
+
+    def on_node_removed(self, node: Any) -> None:
+        self.histate.on_node_removed(core_of(node))
+
+    def on_before_reset(self, nodes: Any) -> None:
+        if self.histate.ssd_tier is not None:
+            self.histate.ssd_tier.on_tree_reset([core_of(n) for n in nodes])
+
+    def on_reset(self, root: Any) -> None:
+        self.histate.victims.reset()
+        self.histate.attach_tree(root)  # holds of the old tree went with it
+
+
+class HiStateTreeCore(UnifiedTreeCore):
+    observer: Any = None  # HiStateTreeObserver, set by HiStateRadixCache after construction
+
+    def attach_observer(self, observer: HiStateTreeObserver) -> None:
+        self.observer = observer
+        if OBSERVED_BY_SGLANG:
+            self.add_observer(observer)
 
     def attach_host_state(self, node: Any, host_slot: Any) -> None:
         """A state restored from SSD becomes the node's host copy, placed as SGLang's own L3 prefetch
@@ -78,18 +103,40 @@ class HiStateTreeCore(UnifiedTreeCore):
                 host_lru.insert_mru(node)
         self._update_evictable_leaf_sets(node)
 
-    def _unregister_node(self, node: Any) -> None:
-        super()._unregister_node(node)
-        if self.histate is not None:
-            self.histate.on_node_removed(core_of(node))
+    if not OBSERVED_BY_SGLANG:  # stock 0.5.23: the mutators that change the tree, overridden to feed it
 
-    def reset(self) -> None:
-        if self.histate is not None and self.histate.ssd_tier is not None:
-            self.histate.ssd_tier.on_tree_reset([core_of(n) for n in self._node_arena.values() if n is not self.root_node])
-        super().reset()
-        if self.histate is not None:
-            self.histate.victims.reset()
-            self.histate.attach_tree(self.root_node)  # holds of the old tree went with it
+        def _update_evictable_leaf_sets(self, node: Any) -> None:
+            super()._update_evictable_leaf_sets(node)
+            if self.observer is not None:
+                self.observer.on_evictable_changed(node)
+
+        def _update_duplicate_tracking(self, node: Any) -> None:
+            super()._update_duplicate_tracking(node)
+            if self.observer is not None:
+                self.observer.on_duplicate_tracking_changed(node)
+
+        def set_component_device_value(self, node_id: Any, component_type: Any, value: Any) -> None:
+            super().set_component_device_value(node_id, component_type, value)
+            if self.observer is not None:
+                self.observer.on_component_materialized(self.node_by_id(node_id), component_type)
+
+        def commit_load_back(self, node_id: Any, device_indices: Any, kv_xfer: Any, comp_xfers: Any) -> Any:
+            actions = super().commit_load_back(node_id, device_indices, kv_xfer, comp_xfers)
+            if self.observer is not None:
+                self.observer.on_load_back(self.node_by_id(node_id), tuple(kv_xfer.nodes_to_load or ()))
+            return actions
+
+        def _unregister_node(self, node: Any) -> None:
+            super()._unregister_node(node)
+            if self.observer is not None:
+                self.observer.on_node_removed(node)
+
+        def reset(self) -> None:
+            if self.observer is not None:
+                self.observer.on_before_reset([n for n in self._node_arena.values() if n is not self.root_node])
+            super().reset()
+            if self.observer is not None:
+                self.observer.on_reset(self.root_node)
 
 
 def _factory(params: Any, components: Any) -> HiStateTreeCore:
