@@ -7,7 +7,7 @@
    patch touches (so the installed SGLang is never written).
 2. Applies each patch of upstream/series/series in order with `patch -p1 --fuzz=0`: a patch that does not
    apply exactly, offsets aside, fails the check (a series that needs fuzz no longer applies "cleanly").
-3. Runs, with the patched copy first on sys.path: the series' own tests (upstream/tests: what each patch
+3. Runs, with the patched copy first on sys.path (two pytest processes side by side, `--jobs`): the series' own tests (upstream/tests: what each patch
    ships to SGLang's tree, and that the plugin takes the patched paths), then the plugin tests each patch
    names in the series file (the plugin, unchanged, on the patched SGLang: the same decisions).
 Exit status 0 only if every patch applied and every test passed.
@@ -67,9 +67,25 @@ def copy_tree(source: Path, dest: Path, real_copies: set) -> None:
     shutil.copytree(source, dest, copy_function=link_or_copy, ignore=shutil.ignore_patterns("__pycache__"))
 
 
+def run_tests(tests: list, env: dict, jobs: int) -> int:
+    """pytest over `tests` in `jobs` processes side by side (the patched copy is only read), each given every
+    jobs-th file; the outputs are printed one after the other. 0 only if every process passed."""
+    groups = [tests[i::jobs] for i in range(max(1, jobs)) if tests[i::jobs]]
+    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *group], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for group in groups]
+    status = 0
+    for group, proc in zip(groups, procs):
+        output, _ = proc.communicate()
+        print(f"--- pytest {' '.join(group)}\n{output}", end="")
+        status = status or proc.returncode
+    return status
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, help="build the patched copy here and keep it (default: a temporary directory)")
+    ap.add_argument("--jobs", type=int, default=2, help="pytest processes run side by side (tests split by file)")
     args = ap.parse_args()
     series = read_series()
     work = args.keep or Path(tempfile.mkdtemp(prefix="histate-upstream-"))
@@ -87,10 +103,9 @@ def main() -> int:
                 return 1
             print(f"applied {patch.name}")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(work), str(ROOT / "python"), str(ROOT)])}
-        tests = ["upstream/tests"] + [t for _, names in series for t in names]
+        tests = list(dict.fromkeys(["upstream/tests"] + [t for _, names in series for t in names]))
         print(f"testing the patched SGLang: {' '.join(tests)}")
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, env=env)
-        return done.returncode
+        return run_tests(tests, env, args.jobs)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)

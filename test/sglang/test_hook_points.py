@@ -78,6 +78,12 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
     listed = {(point.owner, point.target) for point in hook_points.OVERRIDES}
     if OBSERVED_BY_SGLANG:  # upstream/series 0005 applied: the tree core reports changes, nothing overridden
         listed = {(owner, target) for owner, target in listed if owner != "HiStateTreeCore"}
+    from histate.sglang_plugin.components import RANKED_BY_SGLANG
+
+    if RANKED_BY_SGLANG:  # 0006 applied: SGLang's walks ask HiStateRanker, no walk method overridden
+        walks = ("._evict_device_start", "._evict_device_next_node", "._evict_device_end", ".drive_host_eviction")
+        listed = {(owner, target) for owner, target in listed
+                  if not (owner in ("HiStateFullComponent", "HiStateMambaComponent") and target.endswith(walks))}
     if upstream_cut_grid():  # upstream/series 0002 applied: the cache answers SGLang's new protocol
         listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
                    for name in ("prefill_cut_grid", "on_prefill_cut_floored")}

@@ -3,6 +3,7 @@ the patched copy passes the series' tests and the plugin tests each patch names 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -40,3 +41,18 @@ def test_a_patch_that_no_longer_applies_fails_the_check(tmp_path, monkeypatch, c
     monkeypatch.setattr(sys, "argv", ["check.py"])
     assert check.main() == 1
     assert "FAIL 0001-stale.patch does not apply to SGLang 0.5.23" in capsys.readouterr().out
+
+
+def test_a_failure_in_any_of_the_side_by_side_pytest_processes_fails_the_check(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "upstream"))
+    try:
+        import check
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    (tmp_path / "test_bad.py").write_text("def test_bad():\n    assert False\n")
+    tests = [str(tmp_path / "test_ok.py"), str(tmp_path / "test_bad.py")]  # one file per process
+    assert check.run_tests(tests, dict(os.environ), jobs=2) != 0
+    out = capsys.readouterr().out
+    assert "1 passed" in out and "1 failed" in out
+    assert check.run_tests(tests[:1], dict(os.environ), jobs=2) == 0

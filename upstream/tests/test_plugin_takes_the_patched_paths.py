@@ -159,3 +159,22 @@ def test_0005_the_change_feed_comes_from_sglangs_tree_core_observers():
     observers = cache.tree_core._observers
     assert [type(o) for o in observers] == [tree_core.HiStateTreeObserver]
     assert observers[0].histate is cache.histate
+
+
+def test_0006_sglangs_walks_ask_histates_ranker_and_no_walk_is_overridden():
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    from histate.sglang_plugin import components
+    from sglang_cpu.pools import build_cache, build_pools, publish_server_args
+
+    assert components.RANKED_BY_SGLANG
+    walks = {"_evict_device_start", "_evict_device_next_node", "_evict_device_end", "drive_host_eviction"}
+    for ours, theirs in ((components.HiStateFullComponent, FullComponent),
+                         (components.HiStateMambaComponent, MambaComponent)):
+        resolved = {name for name in walks if getattr(ours, name) is not getattr(theirs, name)}
+        assert resolved == set(), (ours.__name__, resolved)
+    publish_server_args()
+    cache = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8))
+    assert type(cache.tree_core.eviction_ranker) is components.HiStateRanker
+    assert cache.tree_core.eviction_ranker.histate is cache.histate

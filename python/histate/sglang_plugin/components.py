@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, LRURefreshPhase
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType, EvictLayer, LRURefreshPhase
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import UnifiedTreeCoreInterface
 
 from histate.core import Tier, UnitKind
 
@@ -29,8 +30,49 @@ from .core_nodes import core_of
 from .eviction import is_bundle, takes_device_state, takes_host_state
 
 
+RANKED_BY_SGLANG = hasattr(UnifiedTreeCoreInterface, "set_eviction_ranker")
+"""upstream/series 0006 applied: SGLang's walks ask an `EvictionRanker` (`HiStateRanker`); the walk mixins
+below, which override SGLang's private walk methods on stock 0.5.23, are then not mixed in."""
+
+_TAKES = {(ComponentType.FULL, Tier.GPU): is_bundle, (ComponentType.MAMBA, Tier.GPU): takes_device_state,
+          (ComponentType.FULL, Tier.CPU): is_bundle, (ComponentType.MAMBA, Tier.CPU): takes_host_state}
+"""What each walk may take: FULL walks bundles (leaves); MAMBA walks any unit that frees a state slot."""
+
+
+def _next_victim(runtime: Any, tier: Tier, takes: Callable) -> Optional[tuple]:
+    """The lowest-ranked unit of `tier` the walk takes, counted as evicted (before SGLang evicts it)."""
+    victim = runtime.victims.next_victim(tier, takes)
+    if victim is not None:
+        runtime.on_evicted(victim[0], victim[1], tier, runtime.now())
+    return victim
+
+
+class HiStateRanker:
+    """SGLang's `EvictionRanker` (upstream/series 0006), answered by the cache's victim heaps: eq. 7 over the
+    KV bundles and checkpoints of a tier, the same units the walk mixins below take on stock SGLang."""
+
+    def __init__(self, histate: Any):
+        self.histate = histate  # the cache's HiStateRuntime
+
+    def begin(self, component_type: Any, layer: Any) -> None:
+        self.histate.victims.begin_walk()
+
+    def end(self, component_type: Any, layer: Any) -> None:
+        self.histate.victims.end_walk()
+
+    def next_victim(self, component_type: Any, layer: Any) -> Optional[tuple]:
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictionUnit
+
+        tier = Tier.GPU if layer == EvictLayer.DEVICE else Tier.CPU
+        victim = _next_victim(self.histate, tier, _TAKES[(ComponentType(component_type), tier)])
+        if victim is None:
+            return None
+        node, unit = victim
+        return node.sg, EvictionUnit.LEAF if unit is UnitKind.BUNDLE else EvictionUnit.STATE
+
+
 class _HiStateWalks:
-    """The walk protocol of SGLang components, answered by the cache's victim heaps."""
+    """The walk protocol of SGLang components, answered by the cache's victim heaps (stock 0.5.23)."""
 
     takes_on_device: Callable = staticmethod(is_bundle)
     takes_on_host: Callable = staticmethod(is_bundle)
@@ -44,11 +86,7 @@ class _HiStateWalks:
         self.cache.histate.victims.end_walk()
 
     def _next_victim(self, tier: Tier, takes: Callable) -> Optional[tuple]:
-        runtime = self.cache.histate
-        victim = runtime.victims.next_victim(tier, takes)
-        if victim is not None:
-            runtime.on_evicted(victim[0], victim[1], tier, runtime.now())
-        return victim
+        return _next_victim(self.cache.histate, tier, takes)
 
     def drive_host_eviction(self, num_tokens: int, tracker: dict, device_frees: dict, host_frees: dict,
                             cache_actions: list) -> None:
@@ -77,7 +115,42 @@ class _HiStateWalks:
             victims.end_walk()
 
 
-class HiStateFullComponent(_HiStateWalks, FullComponent):
+class _FullWalks(_HiStateWalks):
+    def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
+                                cache_actions: list) -> Any:
+        if tracker[self.component_type] >= self._hs_request_cnt:
+            return None
+        victim = self._next_victim(Tier.GPU, is_bundle)
+        return None if victim is None else victim[0].sg.id
+
+
+class _MambaWalks(_HiStateWalks):
+    takes_on_host = staticmethod(takes_host_state)
+
+    def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
+                                cache_actions: list) -> Any:
+        if tracker[self.component_type] >= self._hs_request_cnt:
+            return None
+        victim = self._next_victim(Tier.GPU, takes_device_state)
+        if victim is None:
+            return None
+        node, unit = victim
+        if unit is UnitKind.BUNDLE:
+            return node.sg.id  # SGLang evicts the leaf atomically (KV + terminal checkpoint)
+        # A checkpoint alone: tombstone the device state, with SGLang's own primitives.
+        self.tree_core._evict_component_and_detach_lru(
+            node.sg, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
+            host_frees=host_frees, cache_actions=cache_actions)
+        self.tree_core._cascade_evict(node.sg, self, tracker, device_frees=device_frees,
+                                      host_frees=host_frees, cache_actions=cache_actions)
+        return None
+
+
+_FULL_BASES = (FullComponent,) if RANKED_BY_SGLANG else (_FullWalks, FullComponent)
+_MAMBA_BASES = (MambaComponent,) if RANKED_BY_SGLANG else (_MambaWalks, MambaComponent)
+
+
+class HiStateFullComponent(*_FULL_BASES):
     def acquire_component_lock(self, node: Any, result: Any, lock_host: bool = False) -> Any:
         """SGLang's FULL lock drops the locked path's device leaf from `evictable_device_leaves`
         directly (full.py:326), past the leaf-set hook. Re-offer that node so it is ranked as what it
@@ -121,35 +194,8 @@ class HiStateFullComponent(_HiStateWalks, FullComponent):
             node = node.parent
         return node if node in core.evictable_device_leaves else None
 
-    def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
-                                cache_actions: list) -> Any:
-        if tracker[self.component_type] >= self._hs_request_cnt:
-            return None
-        victim = self._next_victim(Tier.GPU, is_bundle)
-        return None if victim is None else victim[0].sg.id
 
-
-class HiStateMambaComponent(_HiStateWalks, MambaComponent):
-    takes_on_host = staticmethod(takes_host_state)
-
-    def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
-                                cache_actions: list) -> Any:
-        if tracker[self.component_type] >= self._hs_request_cnt:
-            return None
-        victim = self._next_victim(Tier.GPU, takes_device_state)
-        if victim is None:
-            return None
-        node, unit = victim
-        if unit is UnitKind.BUNDLE:
-            return node.sg.id  # SGLang evicts the leaf atomically (KV + terminal checkpoint)
-        # A checkpoint alone: tombstone the device state, with SGLang's own primitives.
-        self.tree_core._evict_component_and_detach_lru(
-            node.sg, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
-            host_frees=host_frees, cache_actions=cache_actions)
-        self.tree_core._cascade_evict(node.sg, self, tracker, device_frees=device_frees,
-                                      host_frees=host_frees, cache_actions=cache_actions)
-        return None
-
+class HiStateMambaComponent(*_MAMBA_BASES):
     def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
         """A session's reference on this state went (close, timeout, the session moved on, the node was
         deleted): re-offer it once nothing references it (MAMBA's `_advance` / `_recede` go through here)."""

@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from histate.core import Tier
 
-from .components import HiStateFullComponent, HiStateMambaComponent
+from .components import RANKED_BY_SGLANG, HiStateFullComponent, HiStateMambaComponent, HiStateRanker
 from .config import HiStateConfig, HiStateConfigError, resolve_config
 from .hook_points import check_overrides
 from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
@@ -94,6 +94,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         if export_through_collector and self.metrics_collector is not None:
             metrics.export_through(self.metrics_collector)
         self.tree_core.attach_observer(HiStateTreeObserver(self.histate, self.tree_core))
+        if RANKED_BY_SGLANG:  # upstream/series 0006: SGLang's walks ask eq. 7's heaps (no walk override)
+            self.tree_core.set_eviction_ranker(HiStateRanker(self.histate))
         self.histate.victims.tree_core = self.tree_core
         self.histate.attach_tree(self.tree_core.root_node)
         self._agree_sizes()
