@@ -130,3 +130,25 @@ def test_without_observers_the_core_keeps_none(kit):
     with mock.patch.object(kit_fixtures, "get_device", lambda: "cpu"):
         cache, _, _ = kit_fixtures.build_fixture(kit.cfg, tree_core_backend="python")
     assert cache.tree_core._observers == []
+
+
+def test_a_lock_that_takes_a_leaf_out_of_the_evictable_set_is_reported(kit):
+    """FULL's lock walks up from the request's node and drops the first device-resident node from the
+    evictable leaf set itself (not through the leaf-set update). When the request's own node has no device
+    KV (its KV went to the host), that node is another one, which observers must hear about too."""
+    from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    page = kit.cfg.page_size
+    _turn(kit, [1] * (4 * page))
+    _turn(kit, [1] * (2 * page))  # splits: parent (2 pages) -> child (2 pages)
+    core = kit.cache.tree_core
+    parent = next(n for n in core._node_arena.values() if n is not core.root_node and n.children)
+    child = next(iter(parent.children.values()))
+    child.component_data[ComponentType.FULL].value = None  # as if its KV had been evicted to the host
+    core._update_evictable_leaf_sets(parent)
+    assert parent in core.evictable_device_leaves
+    kit.mirror.check()
+    core.components_by_type[ComponentType.FULL].acquire_component_lock(child, IncLockRefResult(node_id=child.id))
+    assert parent not in core.evictable_device_leaves
+    kit.mirror.check()
