@@ -154,6 +154,12 @@ def test_0005_the_change_feed_comes_from_sglangs_tree_core_observers():
     overridden = {name for name, value in vars(tree_core.HiStateTreeCore).items()
                   if callable(value) and name in vars(UnifiedTreeCore)}
     assert overridden == set(), overridden
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+
+    from histate.sglang_plugin.components import HiStateFullComponent
+
+    # the lock's dropped leaf reaches the observer: no re-offer override on FULL's lock
+    assert HiStateFullComponent.acquire_component_lock is FullComponent.acquire_component_lock
     publish_server_args()
     cache = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8))
     observers = cache.tree_core._observers

@@ -27,6 +27,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import Unifi
 from histate.core import Tier, UnitKind
 
 from .core_nodes import core_of
+from .tree_core import OBSERVED_BY_SGLANG
 from .eviction import is_bundle, takes_device_state, takes_host_state
 
 
@@ -150,7 +151,10 @@ _FULL_BASES = (FullComponent,) if RANKED_BY_SGLANG else (_FullWalks, FullCompone
 _MAMBA_BASES = (MambaComponent,) if RANKED_BY_SGLANG else (_MambaWalks, MambaComponent)
 
 
-class HiStateFullComponent(*_FULL_BASES):
+class _FullLockReoffer:
+    """Stock 0.5.23 only: under upstream/series 0005 SGLang's lock reports the leaf it drops to the tree's
+    observers (`HiStateTreeObserver.on_evictable_changed` re-offers it), so this mixin is not mixed in."""
+
     def acquire_component_lock(self, node: Any, result: Any, lock_host: bool = False) -> Any:
         """SGLang's FULL lock drops the locked path's device leaf from `evictable_device_leaves`
         directly (full.py:326), past the leaf-set hook. Re-offer that node so it is ranked as what it
@@ -162,6 +166,11 @@ class HiStateFullComponent(*_FULL_BASES):
             self.cache.histate.victims.touch(core_of(leaf))
         return result
 
+
+_FULL_BASES = _FULL_BASES if OBSERVED_BY_SGLANG else (_FullLockReoffer, *_FULL_BASES)
+
+
+class HiStateFullComponent(*_FULL_BASES):
     def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
         path = self._path_up(leaf, None)
         super()._dec_session_coverage(session_id, leaf)
