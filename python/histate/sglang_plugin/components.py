@@ -14,6 +14,10 @@ primitives) and change only which unit goes next, asking the cache's `TierVictim
     a referenced unit ranks after every unreferenced one; once unreferenced its score drops below the key
     its heap entry may carry). SGLang's own session bookkeeping (coverage, tombstones, validation) runs
     unchanged.
+
+On a SGLang with the upstream series applied, SGLang's own walks ask `HiStateRanker` (0006,
+`set_eviction_ranker`) and its lock reports the leaf it drops to the tree's observers (0005), so the walk
+mixins and the lock re-offer below are not mixed in; the rest stays.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import Unifi
 from histate.core import Tier, UnitKind
 
 from .core_nodes import core_of
-from .tree_core import OBSERVED_BY_SGLANG
 from .eviction import is_bundle, takes_device_state, takes_host_state
+from .tree_core import OBSERVED_BY_SGLANG
 
 
 RANKED_BY_SGLANG = hasattr(UnifiedTreeCoreInterface, "set_eviction_ranker")
@@ -65,7 +69,7 @@ class HiStateRanker:
         from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictionUnit
 
         tier = Tier.GPU if layer == EvictLayer.DEVICE else Tier.CPU
-        victim = _next_victim(self.histate, tier, _TAKES[(ComponentType(component_type), tier)])
+        victim = _next_victim(self.histate, tier, _TAKES[(component_type, tier)])
         if victim is None:
             return None
         node, unit = victim
