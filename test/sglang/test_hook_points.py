@@ -173,3 +173,15 @@ def test_a_renamed_overridden_method_refuses_the_cache_with_one_line(monkeypatch
     assert "FullComponent._evict_device_start (srt/mem_cache/unified_cache/components/full.py:209 in 0.5.23) " \
            "not found" in message
     assert "MambaComponent._evict_device_start" not in message  # only what changed is named
+
+
+def test_every_point_an_upstream_patch_retires_is_listed_and_the_patch_exists():
+    from pathlib import Path
+
+    series = Path(__file__).resolve().parents[2] / "upstream" / "series"
+    listed = {(p.owner, p.target) for p in hook_points.REGISTRY_HOOKS + hook_points.OVERRIDES}
+    for patch, points in hook_points.RETIRED_BY_PATCH.items():
+        assert (series / f"{patch}.patch").is_file(), patch
+        assert points and points <= listed, (patch, points - listed)
+    retired = [point for points in hook_points.RETIRED_BY_PATCH.values() for point in points]
+    assert len(retired) == len(set(retired))  # one patch per point

@@ -270,6 +270,32 @@ OVERRIDES: tuple = (
 )
 
 
+_WALKS = ("_evict_device_start", "_evict_device_next_node", "_evict_device_end", "drive_host_eviction")
+
+RETIRED_BY_PATCH: dict = {
+    "0002-scheduler-prefill-cut-grid": {("chunking", t) for t in (
+        "sglang.srt.managers.schedule_policy.PrefillAdder._select_prefill_admission",
+        "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+        "sglang.srt.managers.schedule_policy.PrefillAdder.floor_chunked_tokens")},
+    "0003-server-args-plugin-declared-arguments": {("server_args", f"sglang.srt.server_args.ServerArgs.{name}")
+                                                   for name in ("add_cli_args", "from_cli_args", "resolve_once")},
+    "0005-mem-cache-tree-core-observers": {
+        *(("HiStateTreeCore", f"sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore.{name}")
+          for name in ("_unregister_node", "_update_duplicate_tracking", "_update_evictable_leaf_sets",
+                       "commit_load_back", "reset", "set_component_device_value")),
+        ("HiStateFullComponent",
+         "sglang.srt.mem_cache.unified_cache.components.full.FullComponent.acquire_component_lock")},
+    "0006-mem-cache-eviction-ranker": {
+        *(("HiStateFullComponent", f"sglang.srt.mem_cache.unified_cache.components.full.FullComponent.{name}")
+          for name in _WALKS),
+        *(("HiStateMambaComponent", f"sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent.{name}")
+          for name in _WALKS)},
+}
+"""Which patch of upstream/series retires which hook point, as (owner, target): with that patch applied the
+plugin takes the public path it adds and installs or overrides nothing there (docs/upstream.md). 0001 and
+0004 retire no listed point (0001 changes how hooks fail; 0004 replaces plain prometheus_client calls)."""
+
+
 def registry_hook(target: str) -> HookPoint:
     """The listed registry hook for `target` (KeyError: not listed, so not allowed)."""
     return _BY_TARGET[target]
