@@ -18,6 +18,7 @@ multi-turn agent session (as test_answers.py) with hits on every later turn.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -88,7 +89,14 @@ def test_a_prefix_that_left_the_device_is_loaded_back_from_the_host_exactly(pair
     reference, unified = pair
     rng = random.Random(1)
     a = tokens(rng, 640)
+    backed_up = metric_sum(unified.url, "hicache_backup_tokens_total", pool="kv")
     assert_exact(reference, unified, "A", a)
+    # The precondition: A's KV is on the host (write-through is asynchronous; under load its ack can come
+    # after the next request has already pushed A off the device, which then reuses less: slower, never wrong).
+    deadline = time.monotonic() + 60
+    while metric_sum(unified.url, "hicache_backup_tokens_total", pool="kv") < backed_up + len(a):
+        assert time.monotonic() < deadline, "A's KV was not backed up to the host within 60 s"
+        time.sleep(0.2)
     generate(unified.url, tokens(rng, 640))
     host_hits, loaded = metric_sum(unified.url, "histate_prefix_hits_total", tier="host"), \
         metric_sum(unified.url, "load_back_tokens_total", pool="kv")
