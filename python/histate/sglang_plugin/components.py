@@ -57,7 +57,10 @@ class HiStateRanker:
     KV bundles and checkpoints of a tier, the same units the walk mixins below take on stock SGLang."""
 
     def __init__(self, histate: Any):
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictionUnit
+
         self.histate = histate  # the cache's HiStateRuntime
+        self._units = {UnitKind.BUNDLE: EvictionUnit.LEAF, UnitKind.CHECKPOINT: EvictionUnit.STATE}
 
     def begin(self, component_type: Any, layer: Any) -> None:
         self.histate.victims.begin_walk()
@@ -66,21 +69,16 @@ class HiStateRanker:
         self.histate.victims.end_walk()
 
     def next_victim(self, component_type: Any, layer: Any) -> Optional[tuple]:
-        from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import EvictionUnit
-
         tier = Tier.GPU if layer == EvictLayer.DEVICE else Tier.CPU
         victim = _next_victim(self.histate, tier, _TAKES[(component_type, tier)])
         if victim is None:
             return None
         node, unit = victim
-        return node.sg, EvictionUnit.LEAF if unit is UnitKind.BUNDLE else EvictionUnit.STATE
+        return node.sg, self._units[unit]
 
 
 class _HiStateWalks:
     """The walk protocol of SGLang components, answered by the cache's victim heaps (stock 0.5.23)."""
-
-    takes_on_device: Callable = staticmethod(is_bundle)
-    takes_on_host: Callable = staticmethod(is_bundle)
 
     def _evict_device_start(self, request_cnt: int) -> None:
         self._hs_request_cnt = request_cnt
@@ -90,8 +88,8 @@ class _HiStateWalks:
         self._hs_request_cnt = 0
         self.cache.histate.victims.end_walk()
 
-    def _next_victim(self, tier: Tier, takes: Callable) -> Optional[tuple]:
-        return _next_victim(self.cache.histate, tier, takes)
+    def _next_victim(self, tier: Tier) -> Optional[tuple]:
+        return _next_victim(self.cache.histate, tier, _TAKES[(self.component_type, tier)])
 
     def drive_host_eviction(self, num_tokens: int, tracker: dict, device_frees: dict, host_frees: dict,
                             cache_actions: list) -> None:
@@ -101,7 +99,7 @@ class _HiStateWalks:
         victims.begin_walk()
         try:
             while tracker[self.component_type] < num_tokens:
-                victim = self._next_victim(Tier.CPU, self.takes_on_host)
+                victim = self._next_victim(Tier.CPU)
                 if victim is None:
                     return
                 node, unit = victim
@@ -125,18 +123,16 @@ class _FullWalks(_HiStateWalks):
                                 cache_actions: list) -> Any:
         if tracker[self.component_type] >= self._hs_request_cnt:
             return None
-        victim = self._next_victim(Tier.GPU, is_bundle)
+        victim = self._next_victim(Tier.GPU)
         return None if victim is None else victim[0].sg.id
 
 
 class _MambaWalks(_HiStateWalks):
-    takes_on_host = staticmethod(takes_host_state)
-
     def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
                                 cache_actions: list) -> Any:
         if tracker[self.component_type] >= self._hs_request_cnt:
             return None
-        victim = self._next_victim(Tier.GPU, takes_device_state)
+        victim = self._next_victim(Tier.GPU)
         if victim is None:
             return None
         node, unit = victim
@@ -149,10 +145,6 @@ class _MambaWalks(_HiStateWalks):
         self.tree_core._cascade_evict(node.sg, self, tracker, device_frees=device_frees,
                                       host_frees=host_frees, cache_actions=cache_actions)
         return None
-
-
-_FULL_BASES = (FullComponent,) if RANKED_BY_SGLANG else (_FullWalks, FullComponent)
-_MAMBA_BASES = (MambaComponent,) if RANKED_BY_SGLANG else (_MambaWalks, MambaComponent)
 
 
 class _FullLockReoffer:
@@ -171,7 +163,9 @@ class _FullLockReoffer:
         return result
 
 
-_FULL_BASES = _FULL_BASES if OBSERVED_BY_SGLANG else (_FullLockReoffer, *_FULL_BASES)
+_FULL_BASES = (*(() if OBSERVED_BY_SGLANG else (_FullLockReoffer,)), *(() if RANKED_BY_SGLANG else (_FullWalks,)),
+               FullComponent)
+_MAMBA_BASES = (MambaComponent,) if RANKED_BY_SGLANG else (_MambaWalks, MambaComponent)
 
 
 class HiStateFullComponent(*_FULL_BASES):
