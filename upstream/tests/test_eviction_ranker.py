@@ -7,15 +7,13 @@ against what that order says, independently of the walk code.
 """
 from __future__ import annotations
 
-import dataclasses
 from array import array
 from unittest import mock
 
 import pytest
 
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+from _full_mamba_kit import build_kit, turn
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
-from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
@@ -24,9 +22,6 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
     EvictionUnit,
     UnifiedTreeCoreInterface,
 )
-from sglang.test.kits.unified_radix_cache import config as kit_config
-from sglang.test.kits.unified_radix_cache import fixtures as kit_fixtures
-from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
 
 
 def _depth_tokens(node) -> int:
@@ -64,19 +59,8 @@ class DeepestFirst(EvictionRanker):
 
 @pytest.fixture
 def kit():
-    kit = UnifiedRadixCacheFixtures()
-    kit.cfg = dataclasses.replace(next(c for c in kit_config.CONFIGS if c.has_mamba and not c.has_swa),
-                                  mamba_cache_size=8, kv_size=512)
-    with mock.patch.object(kit_fixtures, "get_device", lambda: "cpu"):
-        kit.cache, kit.allocator, kit.pool = kit_fixtures.build_fixture(kit.cfg, tree_core_backend="python")
+    kit = build_kit(mamba_slots=8, kv_tokens=512)
     return kit
-
-
-def _turn(kit, tokens):
-    req, _ = kit._make_inflight_req(kit.cache, kit.allocator, kit.pool, tokens, allocated=True)
-    kit.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
-    req.finished_reason = FINISH_LENGTH(length=0)
-    release_kv_cache(req, kit.cache, checkpoint=True)
 
 
 def _cached_tokens(kit, tokens) -> int:
@@ -87,7 +71,7 @@ def test_the_device_walk_takes_the_rankers_leaf_not_its_own_lru(kit):
     page = kit.cfg.page_size
     prompts = [[t] * (n * page) for t, n in ((1, 2), (2, 6), (3, 4))]  # oldest is the shortest
     for tokens in prompts:
-        _turn(kit, tokens)
+        turn(kit, tokens)
     ranker = DeepestFirst(kit.cache.tree_core)
     kit.cache.tree_core.set_eviction_ranker(ranker)
     kit.cache.evict(EvictParams(num_tokens=page))
@@ -103,7 +87,7 @@ def test_without_a_ranker_the_walk_keeps_its_own_order(kit):
     page = kit.cfg.page_size
     prompts = [[t] * (n * page) for t, n in ((1, 2), (2, 6), (3, 4))]
     for tokens in prompts:
-        _turn(kit, tokens)
+        turn(kit, tokens)
     kit.cache.evict(EvictParams(num_tokens=page))
     assert _cached_tokens(kit, prompts[0]) == 0 and _cached_tokens(kit, prompts[1]) == 6 * page  # LRU
 
@@ -111,9 +95,9 @@ def test_without_a_ranker_the_walk_keeps_its_own_order(kit):
 def test_a_mamba_walk_tombstones_the_state_the_ranker_names_and_keeps_the_node(kit):
     page = kit.cfg.page_size
     base = [7] * (4 * page)
-    _turn(kit, base)
-    _turn(kit, base[: 2 * page] + [8] * (2 * page))  # splits `base` after two pages
-    _turn(kit, base[: 2 * page])  # stores a state on the split node
+    turn(kit, base)
+    turn(kit, base[: 2 * page] + [8] * (2 * page))  # splits `base` after two pages
+    turn(kit, base[: 2 * page])  # stores a state on the split node
     core = kit.cache.tree_core
     split = next(n for n in core._node_arena.values()
                  if n is not core.root_node and _depth_tokens(n) == 2 * page)
@@ -130,7 +114,7 @@ def test_a_mamba_walk_tombstones_the_state_the_ranker_names_and_keeps_the_node(k
 
 def test_a_victim_the_walk_cannot_take_is_refused_before_anything_changes(kit):
     page = kit.cfg.page_size
-    _turn(kit, [1] * (2 * page))
+    turn(kit, [1] * (2 * page))
     core = kit.cache.tree_core
     leaf = next(iter(core.evictable_device_leaves))
     parent_chain_internal = core.root_node

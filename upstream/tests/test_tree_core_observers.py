@@ -7,23 +7,14 @@ mirror must equal the core: a change the core makes without telling its observer
 """
 from __future__ import annotations
 
-import dataclasses
-from array import array
-from unittest import mock
-
 import pytest
 
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
-from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.radix_cache import RadixKey
+from _full_mamba_kit import build_kit, build_python_core_cache, turn
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
     TreeCoreObserver,
     UnifiedTreeCoreInterface,
 )
-from sglang.test.kits.unified_radix_cache import config as kit_config
-from sglang.test.kits.unified_radix_cache import fixtures as kit_fixtures
-from sglang.test.kits.unified_radix_cache.mixins import UnifiedRadixCacheFixtures
 
 
 class Mirror(TreeCoreObserver):
@@ -69,21 +60,10 @@ class Mirror(TreeCoreObserver):
 
 @pytest.fixture
 def kit():
-    kit = UnifiedRadixCacheFixtures()
-    kit.cfg = dataclasses.replace(next(c for c in kit_config.CONFIGS if c.has_mamba and not c.has_swa),
-                                  mamba_cache_size=6, kv_size=256)
-    with mock.patch.object(kit_fixtures, "get_device", lambda: "cpu"):
-        kit.cache, kit.allocator, kit.pool = kit_fixtures.build_fixture(kit.cfg, tree_core_backend="python")
+    kit = build_kit(mamba_slots=6, kv_tokens=256)
     kit.mirror = Mirror(kit.cache.tree_core)
     kit.cache.tree_core.add_observer(kit.mirror)
     return kit
-
-
-def _turn(kit, tokens):
-    req, _ = kit._make_inflight_req(kit.cache, kit.allocator, kit.pool, tokens, allocated=True)
-    kit.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
-    req.finished_reason = FINISH_LENGTH(length=0)
-    release_kv_cache(req, kit.cache, checkpoint=True)
 
 
 def test_every_leaf_set_change_and_removal_reaches_the_observer(kit):
@@ -91,10 +71,10 @@ def test_every_leaf_set_change_and_removal_reaches_the_observer(kit):
     prompts = [[t] * (4 * page) for t in range(1, 4)]
     prompts.append(prompts[0][: 2 * page] + [99] * (2 * page))  # splits the first path
     for tokens in prompts:
-        _turn(kit, tokens)
+        turn(kit, tokens)
         kit.mirror.check()
     assert kit.mirror.device_leaves
-    _turn(kit, prompts[0][: 2 * page])  # ends at the split node, which has KV and no state: stored on it
+    turn(kit, prompts[0][: 2 * page])  # ends at the split node, which has KV and no state: stored on it
     kit.mirror.check()
     assert kit.mirror.materialized
     arena_before = set(kit.cache.tree_core._node_arena)
@@ -103,12 +83,12 @@ def test_every_leaf_set_change_and_removal_reaches_the_observer(kit):
     gone = arena_before - set(kit.cache.tree_core._node_arena)
     assert gone and gone <= set(kit.mirror.removed)  # every node that left the tree was reported
     for tokens in prompts:  # back into a tree that lost some of them
-        _turn(kit, tokens)
+        turn(kit, tokens)
         kit.mirror.check()
 
 
 def test_reset_reports_the_old_tree_then_the_new_root(kit):
-    _turn(kit, [5] * (4 * kit.cfg.page_size))
+    turn(kit, [5] * (4 * kit.cfg.page_size))
     core = kit.cache.tree_core
     old = sorted(nid for nid, n in core._node_arena.items() if n is not core.root_node)
     kit.cache.reset()
@@ -127,8 +107,7 @@ def test_a_core_that_cannot_report_changes_refuses_an_observer():
 def test_without_observers_the_core_keeps_none(kit):
     fresh = type(kit.cache.tree_core).__new__(type(kit.cache.tree_core))
     assert not hasattr(fresh, "_observers")  # built in __init__, empty unless add_observer is called
-    with mock.patch.object(kit_fixtures, "get_device", lambda: "cpu"):
-        cache, _, _ = kit_fixtures.build_fixture(kit.cfg, tree_core_backend="python")
+    cache = build_python_core_cache(kit)
     assert cache.tree_core._observers == []
 
 
@@ -140,8 +119,8 @@ def test_a_lock_that_takes_a_leaf_out_of_the_evictable_set_is_reported(kit):
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     page = kit.cfg.page_size
-    _turn(kit, [1] * (4 * page))
-    _turn(kit, [1] * (2 * page))  # splits: parent (2 pages) -> child (2 pages)
+    turn(kit, [1] * (4 * page))
+    turn(kit, [1] * (2 * page))  # splits: parent (2 pages) -> child (2 pages)
     core = kit.cache.tree_core
     parent = next(n for n in core._node_arena.values() if n is not core.root_node and n.children)
     child = next(iter(parent.children.values()))
