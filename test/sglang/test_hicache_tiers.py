@@ -578,12 +578,10 @@ def _check_ssd_ledger(cache):
     assert _kv_keys(store) <= marked | tier.orphans.keys()
 
 
-def test_the_ssd_takes_the_kv_the_host_evicts_and_serves_it_back(sglang_plugins, tmp_path, monkeypatch):
-    """The SSD is the host's victim tier for KV (docs/policies.md "Tiering"): SGLang's write-through
-    stores a prompt's state but not its KV; once the host runs short its lowest-ranked KV is written
-    ahead of eviction, so what the host evicts is still on SSD (as orphans), and SGLang's own L3 prefetch
-    brings the whole prompt back, its pages then SSD-backed again. An inclusive write-through (every
-    page stored at once) or a host eviction without the write ahead fails this."""
+def _first_prompt_only_on_ssd(tmp_path, monkeypatch):
+    """A 16-page prompt with states at 8 and 16 pages, served, then pushed off the host by other prompts
+    until SGLang deleted its nodes: its KV pages and states are SSD orphans. Returns (cache, driver,
+    the prompt, its KV store keys)."""
     from sglang_cpu.hicache import TieredDriver
 
     pools = build_pools(1024, 32)
@@ -607,12 +605,53 @@ def test_the_ssd_takes_the_kv_the_host_evicts_and_serves_it_back(sglang_plugins,
     demoted_tokens = cache.histate.metrics.totals["kv_demoted_tokens_total"]
     assert demoted_tokens == PAGE * len(_kv_keys(store))  # each write ahead counted once, in tokens
     assert len(_kv_keys(store)) < 16 * (others + 1)  # not every page of every prompt: only the host's victims
+    return cache, driver, first, first_keys
 
+
+def test_the_ssd_takes_the_kv_the_host_evicts_and_serves_it_back(sglang_plugins, tmp_path, monkeypatch):
+    """The SSD is the host's victim tier for KV (docs/policies.md "Tiering"): SGLang's write-through
+    stores a prompt's state but not its KV; once the host runs short its lowest-ranked KV is written
+    ahead of eviction, so what the host evicts is still on SSD (as orphans), and SGLang's own L3 prefetch
+    brings the whole prompt back, its pages then SSD-backed again. An inclusive write-through (every
+    page stored at once) or a host eviction without the write ahead fails this."""
+    cache, driver, first, first_keys = _first_prompt_only_on_ssd(tmp_path, monkeypatch)
+    tier = cache.histate.ssd_tier
     reused = driver.admit(first + [7] * PAGE)  # SGLang's L3 prefetch, then an ordinary host hit
     driver.cache.unlock(driver.admission_lock)
     driver.admission_lock = None
     assert reused == 16 * PAGE
     assert not first_keys & tier.orphans.keys()  # claimed by the nodes the prefetch inserted
+    _check_ssd_ledger(cache)
+    cache.sanity_check()
+
+
+def test_a_prefetch_sglang_discards_leaves_its_ssd_objects_orphaned(sglang_plugins, tmp_path, monkeypatch):
+    """A hybrid prefetch is all-or-nothing (unified_radix_cache.py:2575-2582 in 0.5.23): when the state
+    pool's read fails, SGLang discards the KV it read too and inserts nothing. Those SSD objects belong
+    to no node and must stay orphans (which the trim may delete); claiming them, as the plugin did for
+    every prefetch with pages, left objects no node owns and no trim could take."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    cache, driver, first, first_keys = _first_prompt_only_on_ssd(tmp_path, monkeypatch)
+    tier, backend = cache.histate.ssd_tier, cache.histate.ssd_tier.backend
+    failed = []
+    batch_get_v2 = backend.batch_get_v2
+
+    def state_reads_fail(transfers, extra_info=None):  # the fault: every state page read fails
+        results = batch_get_v2(transfers, extra_info)
+        for name in results:
+            if name != PoolName.KV and any(results[name]):
+                failed.append(name)
+                results[name] = [False] * len(results[name])
+        return results
+
+    monkeypatch.setattr(backend, "batch_get_v2", state_reads_fail)
+    reused = driver.admit(first + [7] * PAGE)
+    driver.cache.unlock(driver.admission_lock)
+    driver.admission_lock = None
+    assert failed, "the fault never fired: no state was read from the SSD"
+    assert reused == 0 and not _path_hashes(cache, first)  # SGLang discarded the prefetch
+    assert first_keys <= tier.orphans.keys()  # still orphans: no node holds them
     _check_ssd_ledger(cache)
     cache.sanity_check()
 

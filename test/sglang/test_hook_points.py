@@ -85,6 +85,14 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
         walks = ("._evict_device_start", "._evict_device_next_node", "._evict_device_end", ".drive_host_eviction")
         listed = {(owner, target) for owner, target in listed
                   if not (owner in ("HiStateFullComponent", "HiStateMambaComponent") and target.endswith(walks))}
+    from histate.sglang_plugin.tree_core import WALK_EVENTS_BY_SGLANG
+
+    if WALK_EVENTS_BY_SGLANG:  # 0007 applied: inserts, splits and matches come as observer events
+        listed -= hook_points.RETIRED_BY_PATCH["0007-mem-cache-insert-split-match-events"]
+    from histate.sglang_plugin.storage_policy import STORAGE_POLICY_BY_SGLANG
+
+    if STORAGE_POLICY_BY_SGLANG:  # 0008 applied: HiCache's storage path calls HiState's policy
+        listed -= hook_points.RETIRED_BY_PATCH["0008-hicache-storage-tier-policy"]
     if upstream_cut_grid():  # upstream/series 0002 applied: the cache answers SGLang's new protocol
         listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
                    for name in ("prefill_cut_grid", "on_prefill_cut_floored")}

@@ -184,3 +184,71 @@ def test_0006_sglangs_walks_ask_histates_ranker_and_no_walk_is_overridden():
     cache = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8))
     assert type(cache.tree_core.eviction_ranker) is components.HiStateRanker
     assert cache.tree_core.eviction_ranker.histate is cache.histate
+
+
+def test_0007_inserts_splits_and_matches_reach_histate_from_sglangs_events():
+    """No MAMBA insert/split hook and no match override: the plugin's observer hears them from SGLang, and
+    what it does with them still happens (a new leaf stamped and offered, a match learned from)."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from histate.sglang_plugin import components, tree_cache, tree_core
+    from histate.sglang_plugin.core_nodes import core_of
+    from sglang_cpu.pools import PAGE, Driver, build_cache, build_pools, publish_server_args
+
+    assert tree_core.WALK_EVENTS_BY_SGLANG
+    for name in ("commit_insert_component_data", "redistribute_on_node_split", "refresh_lru"):
+        assert getattr(components.HiStateMambaComponent, name) is getattr(MambaComponent, name), name
+    assert tree_cache.HiStateRadixCache._match_tree is UnifiedRadixCache._match_tree
+    publish_server_args()
+    pools = build_pools(kv_tokens=512, mamba_slots=8)
+    cache = build_cache("histate", pools)
+    tokens = list(range(1, 4 * PAGE + 1))
+    calls = []
+    for name in ("new_node", "new_checkpoint", "on_match"):  # what HiState does on each event, spied on
+        inner = getattr(cache.histate, name)
+        setattr(cache.histate, name, lambda *args, _name=name, _inner=inner, **kwargs: calls.append(
+            (_name, args[1] if _name == "on_match" else None)) or _inner(*args, **kwargs))
+    Driver(cache, pools).serve(tokens, checkpoints=[4 * PAGE])
+    assert ("new_node", None) in calls and ("new_checkpoint", None) in calls  # the insert's commit
+    matches = [tokens for name, tokens in calls if name == "on_match"]
+    assert matches[0] == 0 and matches[-1] == 4 * PAGE  # the first match found nothing, the last all of it
+
+
+def test_0008_hicaches_storage_path_asks_histates_policy_and_nothing_is_overridden(tmp_path):
+    """None of the six HiCache methods is overridden; the cache's `StorageTierPolicy` is HiState's, through a
+    flush too, and a request's state still reaches the SSD, acknowledged and confirmed by HiState's tier
+    (its write-through filter, acks and per-step work now run from SGLang's calls)."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from histate.sglang_plugin import hook_points, storage_policy, tree_cache
+    from histate.sglang_plugin.config import resolve_config
+    from histate.sglang_plugin.server_settings import storage_extra_config
+    from sglang_cpu.hicache import TieredDriver, build_hicache, drain_backups
+    from sglang_cpu.pools import PAGE, ManualClock, build_pools
+
+    assert storage_policy.STORAGE_POLICY_BY_SGLANG
+    for _, target in hook_points.RETIRED_BY_PATCH["0008-hicache-storage-tier-policy"]:
+        name = target.rsplit(".", 1)[-1]
+        assert getattr(tree_cache.HiStateRadixCache, name) is getattr(UnifiedRadixCache, name), name
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": "64MiB"}, {})
+    pools = build_pools(1024, 32)
+    cache = build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
+                          clock=ManualClock(1.0))
+    assert type(cache.storage_tier_policy) is storage_policy.HiStateStoragePolicy
+    steps = []
+    on_step = cache.storage_tier_policy.on_step
+    cache.storage_tier_policy.on_step = lambda: steps.append(1) or on_step()
+    TieredDriver(cache, pools).serve(list(range(1, 16 * PAGE + 1)), [16 * PAGE])
+    drain_backups(cache)
+    tier = cache.histate.ssd_tier
+    assert tier.backend.num_states == 1 and not tier.backups  # written through, acknowledged, confirmed
+    assert steps  # the SSD tier's per-step work ran from SGLang's step
+    policy = cache.storage_tier_policy
+    cache.reset()
+    assert cache.storage_tier_policy is policy

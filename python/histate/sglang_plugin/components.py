@@ -9,15 +9,18 @@ primitives) and change only which unit goes next, asking the cache's `TierVictim
   * host walks (`drive_host_eviction`, SGLang's host-pool pressure path): FULL takes host leaves,
     MAMBA host leaves holding a state and host checkpoints, ranked by eq. 7 instead of the leaf heap
     and the host state LRU (unified_cache/components/full.py:250-280, mamba.py:1012-1069);
-  * MAMBA stamps new checkpoints and re-offers their neighbours (the core's `_add_checkpoint`);
+  * on stock 0.5.23, MAMBA's insert and split hooks report the insert's path, its commit and a split to
+    `HiStateTreeObserver` (new nodes and checkpoints stamped, their neighbours re-offered: the core's
+    `_add_checkpoint`);
   * with `--enable-session-radix-cache`, a node whose session reference goes is re-offered (eviction.py:
     a referenced unit ranks after every unreferenced one; once unreferenced its score drops below the key
     its heap entry may carry). SGLang's own session bookkeeping (coverage, tombstones, validation) runs
     unchanged.
 
 On a SGLang with the upstream series applied, SGLang's own walks ask `HiStateRanker` (0006,
-`set_eviction_ranker`) and its lock reports the leaf it drops to the tree's observers (0005), so the walk
-mixins and the lock re-offer below are not mixed in; the rest stays.
+`set_eviction_ranker`) and its lock reports the leaf it drops to the tree's observers (0005), and its tree
+core reports inserts and splits (0007), so the walk mixins, the lock re-offer and the insert-event mixin
+below are not mixed in; the rest stays.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from histate.core import Tier, UnitKind
 
 from .core_nodes import core_of
 from .eviction import is_bundle, takes_device_state, takes_host_state
-from .tree_core import OBSERVED_BY_SGLANG
+from .tree_core import OBSERVED_BY_SGLANG, WALK_EVENTS_BY_SGLANG
 
 
 RANKED_BY_SGLANG = hasattr(UnifiedTreeCoreInterface, "set_eviction_ranker")
@@ -163,9 +166,33 @@ class _FullLockReoffer:
         return result
 
 
+class _MambaInsertEvents:
+    """Stock 0.5.23 only: the insert walk, its commit and a split, reported to `HiStateTreeObserver` from the
+    MAMBA component's hooks on them. Under upstream/series 0007 the tree core reports them itself
+    (`on_insert_path_node`, `on_insert_committed`, `on_node_split`), so this mixin is not mixed in."""
+
+    def refresh_lru(self, phase: LRURefreshPhase, node: Any, root_node: Any) -> None:
+        super().refresh_lru(phase, node, root_node)  # keeps SGLang's state LRU links consistent
+        observer = self.tree_core.observer
+        if observer is not None and phase is LRURefreshPhase.WALKDOWN and node is not root_node:
+            observer.on_insert_path_node(node)
+
+    def commit_insert_component_data(self, node: Any, is_new_leaf: bool, params: Any, result: Any,
+                                     cache_actions: list) -> None:
+        super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+        if self.tree_core.observer is not None:
+            self.tree_core.observer.on_insert_committed(node, is_new_leaf, result)
+
+    def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
+        super().redistribute_on_node_split(new_parent, child)
+        if self.tree_core.observer is not None:
+            self.tree_core.observer.on_node_split(new_parent, child)
+
+
 _FULL_BASES = (*(() if OBSERVED_BY_SGLANG else (_FullLockReoffer,)), *(() if RANKED_BY_SGLANG else (_FullWalks,)),
                FullComponent)
-_MAMBA_BASES = (MambaComponent,) if RANKED_BY_SGLANG else (_MambaWalks, MambaComponent)
+_MAMBA_BASES = (*(() if WALK_EVENTS_BY_SGLANG else (_MambaInsertEvents,)), *(() if RANKED_BY_SGLANG else (_MambaWalks,)),
+                MambaComponent)
 
 
 class HiStateFullComponent(*_FULL_BASES):
@@ -210,26 +237,6 @@ class HiStateMambaComponent(*_MAMBA_BASES):
         if leaf.component_data[self.component_type].session_ref == 0:
             self.cache.histate.victims.touch(core_of(leaf))
 
-    def refresh_lru(self, phase: LRURefreshPhase, node: Any, root_node: Any) -> None:
-        super().refresh_lru(phase, node, root_node)  # keeps SGLang's state LRU links consistent
-        if phase is LRURefreshPhase.WALKDOWN and node is not root_node:
-            core_of(node).kv_access_s = self.cache.histate.now()  # an insert walks its path (core _insert_kv)
-
-    def commit_insert_component_data(self, node: Any, is_new_leaf: bool, params: Any, result: Any,
-                                     cache_actions: list) -> None:
-        super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
-        runtime = self.cache.histate
-        now_s = runtime.now()
-        core = core_of(node)
-        if is_new_leaf:
-            runtime.new_node(core, now_s)
-            runtime.bytes_in(Tier.GPU, len(node.key) * runtime.core_config.kv_bytes_per_token)
-        if result.mamba_exist:
-            core.ckpt_access_s = now_s  # the state was already there: a refresh (core _add_checkpoint)
-        else:
-            runtime.new_checkpoint(core, now_s)
-            runtime.bytes_in(Tier.GPU, runtime.core_config.checkpoint_size_bytes)
-
     def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int,
                                 is_finished: bool) -> Optional[int]:
         """An extra checkpoint of a pass (capture.py) is inserted with its own slot and length; the
@@ -248,11 +255,3 @@ class HiStateMambaComponent(*_MAMBA_BASES):
         elif insert_result is None or insert_result.mamba_exist:  # not inserted, or the tree had that state
             self.cache.req_to_token_pool.mamba_allocator.free(capture.slot)
 
-    def redistribute_on_node_split(self, new_parent: Any, child: Any) -> None:
-        """The split head inherits the KV stamps and KV tiers; the checkpoint stays at the tail's end
-        (the core's `RadixTree.split`)."""
-        super().redistribute_on_node_split(new_parent, child)
-        head, tail = core_of(new_parent), core_of(child)
-        head.kv_access_s, head.kv_created_s, head.ssd_kv = tail.kv_access_s, tail.kv_created_s, tail.ssd_kv
-        head.ckpt_access_s = head.ckpt_created_s = tail.kv_access_s
-        head.session_ref = tail.session_ref  # a hold covering the tail covers its head (the core's split)

@@ -290,6 +290,14 @@ RETIRED_BY_PATCH: dict = {
           for name in _WALKS),
         *(("HiStateMambaComponent", f"sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent.{name}")
           for name in _WALKS)},
+    "0007-mem-cache-insert-split-match-events": {
+        *(("HiStateMambaComponent", f"sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent.{name}")
+          for name in ("commit_insert_component_data", "redistribute_on_node_split", "refresh_lru")),
+        ("HiStateRadixCache", "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache._match_tree")},
+    "0008-hicache-storage-tier-policy": {
+        ("HiStateRadixCache", f"sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.{name}")
+        for name in ("_all_reduce", "_drain_storage_control_queues_impl", "_handle_prefetch_result",
+                     "_sync_hicache_ready_counts", "check_hicache_events", "write_backup_storage")},
 }
 """Which patch of upstream/series retires which hook point, as (owner, target): with that patch applied the
 plugin takes the public path it adds and installs or overrides nothing there (docs/upstream.md). 0001 and

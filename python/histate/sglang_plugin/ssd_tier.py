@@ -476,29 +476,35 @@ class SsdTier:
 
     def on_prefetched(self, anchor: Any, page_hashes: tuple) -> None:
         """SGLang's L3 prefetch inserted host nodes below `anchor` from these SSD pages (an agreed
-        event: every rank inserts the MIN-agreed length): their KV is on SSD, and no longer orphaned."""
+        event: every rank inserts the MIN-agreed length): their KV is on SSD, and no longer orphaned.
+        Only pages the tree now holds below `anchor` count: a prefetch SGLang discarded (a hybrid
+        all-or-nothing shortfall) or dropped inserted none, and its objects stay orphans (stock 0.5.23
+        reports every prefetch; upstream/series 0008 only committed ones)."""
         fetched = set(page_hashes)
-        if not fetched:
-            return
-        if self.l3_ledger is not None:
-            # Pages that were no agreed SSD orphan came from L3 (the SSD objects a prefetch can read are
-            # orphans, agreed on every rank): the bundle read is this server's now, as in sim/cluster.py.
-            # A read from the SSD alone only refreshes a bundle the ledger already holds.
-            path = path_page_hashes(anchor) + tuple(page_hashes)
-            if path[-1] in self.l3_ledger or any(key not in self.orphans for key in self._kv_keys(page_hashes)):
-                self._l3_record(path)
-        self.orphans.claim(self._kv_keys(page_hashes))
+        found = set()
         stack = list(anchor.children.values())
         while stack:
             sg = stack.pop()
             if not sg.hash_value or not set(sg.hash_value) <= fetched:
                 continue
+            found.update(sg.hash_value)
             node = core_of(sg)
             if not node.ssd_kv:
                 node.ssd_kv = True
                 self.runtime.victims.touch(node)
                 self.runtime.victims.touch(node.parent)
             stack.extend(sg.children.values())
+        held = tuple(page for page in page_hashes if page in found)
+        if not held:
+            return
+        if self.l3_ledger is not None:
+            # Pages that were no agreed SSD orphan came from L3 (the SSD objects a prefetch can read are
+            # orphans, agreed on every rank): the bundle read is this server's now, as in sim/cluster.py.
+            # A read from the SSD alone only refreshes a bundle the ledger already holds.
+            path = path_page_hashes(anchor) + held
+            if path[-1] in self.l3_ledger or any(key not in self.orphans for key in self._kv_keys(held)):
+                self._l3_record(path)
+        self.orphans.claim(self._kv_keys(held))
 
     def on_node_removed(self, node: CoreNode) -> None:
         """SGLang deleted `node`: its SSD objects become orphans, ranked by the score they had."""

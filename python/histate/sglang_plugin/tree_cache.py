@@ -29,8 +29,9 @@ from .host_stack import current_build_config, histate_build_scope, install_host_
 from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics, upstream_cache_series
 from .runtime import HiStateRuntime
+from .storage_policy import STORAGE_POLICY_BY_SGLANG, HiStateStoragePolicy
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
-from .tree_core import HiStateTreeObserver, register_tree_core
+from .tree_core import WALK_EVENTS_BY_SGLANG, HiStateTreeObserver, register_tree_core
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +89,17 @@ class HiStateRadixCache(UnifiedRadixCache):
             config, grid_tokens=mamba_checkpoint_grid(params.page_size), kv_bytes_per_token=kv_bytes,
             checkpoint_bytes=state_bytes, device_bytes=device_bytes(params, kv_bytes, state_bytes),
             clock=clock or self.agreed_clock, policy=policy, metrics=metrics)
-        self._hs_agreeing = False
+        self._hs_agreeing = False  # stock 0.5.23: the next all-reduce is the per-step one (storage_policy.py)
+        self._hs_storage_policy = HiStateStoragePolicy(self)
         self._hs_inserting = None  # the capture.Capture `checkpoint` is inserting (components.py reads it)
         super().__init__(params)
         if export_through_collector and self.metrics_collector is not None:
             metrics.export_through(self.metrics_collector)
-        self.tree_core.attach_observer(HiStateTreeObserver(self.histate, self.tree_core))
+        self.tree_core.attach_observer(HiStateTreeObserver(self.histate, self.tree_core, self.on_prefix_matched))
         if RANKED_BY_SGLANG:  # upstream/series 0006: SGLang's walks ask eq. 7's heaps (no walk override)
             self.tree_core.set_eviction_ranker(HiStateRanker(self.histate))
+        if STORAGE_POLICY_BY_SGLANG:  # upstream/series 0008: HiCache's storage path asks the SSD tier itself
+            self.set_storage_tier_policy(self._hs_storage_policy)
         self.histate.victims.tree_core = self.tree_core
         self.histate.attach_tree(self.tree_core.root_node)
         self._agree_sizes()
@@ -154,93 +158,64 @@ class HiStateRadixCache(UnifiedRadixCache):
         if tier is not None:
             tier.close()
 
-    # --- rank agreement: the clock rides on SGLang's per-step all-reduce ----------------------------
+    # --- HiCache's storage path: the SSD tier's policy and the agreed step (storage_policy.py) ----------
 
-    def _sync_hicache_ready_counts(self) -> Any:
-        self._hs_agreeing = True
-        try:
-            return super()._sync_hicache_ready_counts()
-        finally:
+    if not STORAGE_POLICY_BY_SGLANG:  # stock 0.5.23: the six methods that call the policy, overridden
+
+        def _sync_hicache_ready_counts(self) -> Any:
+            self._hs_agreeing = True
+            try:
+                return super()._sync_hicache_ready_counts()
+            finally:
+                self._hs_agreeing = False
+
+        def _all_reduce(self, data: Any, tp_reduce_op: Any) -> None:
+            """The first all-reduce inside `_sync_hicache_ready_counts` (SGLang's per-step MIN of the
+            HiCache ready counts) also carries the policy's step values."""
+            if not self._hs_agreeing:
+                super()._all_reduce(data, tp_reduce_op)
+                return
+            import torch
+
             self._hs_agreeing = False
+            values = self._hs_storage_policy.step_sync_values()
+            extended = torch.cat([data, torch.tensor(values, dtype=data.dtype)])
+            super()._all_reduce(extended, tp_reduce_op)
+            data.copy_(extended[:len(data)])
+            self._hs_storage_policy.adopt_step_sync([int(x) for x in extended[len(data):].tolist()])
 
-    def _all_reduce(self, data: Any, tp_reduce_op: Any) -> None:
-        """SGLang's per-step MIN all-reduce of HiCache ready counts (clock.py) carries HiState's
-        samples too: the clock, the negated SSD usage (MIN of negatives: the largest usage of any
-        rank, which SSD trimming decides on) and each SSD restore's (done, ok). One collective, the
-        same on every rank (the restores in flight are the same on every rank, in the same order)."""
-        if not self._hs_agreeing:
-            super()._all_reduce(data, tp_reduce_op)
-            return
-        import torch
+        def write_backup_storage(self, node_id: Any) -> None:
+            policy = self._hs_storage_policy
+            token = policy.begin_backup(node_id)
+            if token is None:
+                return
+            started, operation_id = set(self.ongoing_backup), None
+            try:
+                super().write_backup_storage(node_id)
+                operation_id = next(iter(set(self.ongoing_backup) - started), None)  # at most one queued
+            finally:
+                policy.end_backup(token, operation_id)
 
-        self._hs_agreeing = False
-        clock, tier = self.agreed_clock, self.histate.ssd_tier
-        samples = [clock.sample_ms() if clock is not None else 0, -(tier.local_used_bytes() if tier is not None else 0)]
-        restores = tier.restore_flags() if tier is not None else []
-        extended = torch.cat([data, torch.tensor(samples + restores, dtype=data.dtype)])
-        super()._all_reduce(extended, tp_reduce_op)
-        base = len(data)
-        data.copy_(extended[:base])
-        if clock is not None:
-            clock.adopt(int(extended[base]))
-        if tier is not None:
-            tier.adopt_agreed_usage(-int(extended[base + 1]))
-            tier.adopt_restore_flags([int(x) for x in extended[base + 2:].tolist()])
+        def _drain_storage_control_queues_impl(self, n_storage_hit: Any, n_ack_prefetch: Any, n_backup: Any,
+                                               *args: Any, **kwargs: Any) -> None:
+            pending = set(self.ongoing_backup)
+            super()._drain_storage_control_queues_impl(n_storage_hit, n_ack_prefetch, n_backup, *args, **kwargs)
+            acked = pending - set(self.ongoing_backup)
+            if acked:
+                self._hs_storage_policy.on_backups_acked(sorted(acked), agreed=n_backup is not None)
 
-    # --- the SSD tier's agreed events and restores (ssd_tier.py) ---------------------------------------
+        def _handle_prefetch_result(self, operation: Any) -> None:
+            """Reported whether or not SGLang committed the prefetch (stock cannot tell here):
+            `SsdTier.on_prefetched` takes only the pages the tree holds below the anchor."""
+            entry = self.ongoing_prefetch.get(operation.handle)
+            super()._handle_prefetch_result(operation)
+            if entry is not None and operation.completed_tokens > 0:
+                self._hs_storage_policy.on_prefetch_committed(
+                    entry.anchor_node_id, operation.hash_value[: operation.completed_tokens // self.page_size])
 
-    def write_backup_storage(self, node_id: Any) -> None:
-        """SGLang writes every host backup through to storage; HiState writes a node's state through
-        and its KV only when `SsdTier.demote` chose it (the SSD is the host's victim tier for KV), so
-        a backup with nothing to write is not queued."""
-        tier = self.histate.ssd_tier
-        if tier is not None and not tier.wants_backup(self.tree_core.node_by_id(node_id)):
-            return
-        started = set(self.ongoing_backup)
-        # Before SGLang queues it: its backup thread may write the state (and to L3) at once.
-        l3_state = tier.mark_l3_state(self.tree_core.node_by_id(node_id)) if tier is not None else None
-        try:
-            super().write_backup_storage(node_id)
-        except BaseException:
-            if tier is not None:
-                tier.unmark_l3_state(l3_state)
-            raise
-        if tier is not None:
-            queued = set(self.ongoing_backup) - started
-            for operation_id in queued:
-                tier.on_backup_started(operation_id, self.tree_core.node_by_id(node_id), l3_state)
-            if not queued:  # nothing queued (storage off, nothing backed up to the host)
-                tier.unmark_l3_state(l3_state)
-
-    def _drain_storage_control_queues_impl(self, n_storage_hit: Any, n_ack_prefetch: Any, n_backup: Any,
-                                           *args: Any, **kwargs: Any) -> None:
-        """After SGLang drained its acknowledgements, the SSD tier confirms what the drained backups
-        stored. The drained count is MIN-agreed (unified_radix_cache.py:3298-3330), so every rank
-        confirms the same operations, with one collective; a local drain (`n_backup` None: detach and
-        shutdown, storage_attachment.py:211-225) does not agree and confirms nothing new."""
-        pending = set(self.ongoing_backup)
-        super()._drain_storage_control_queues_impl(n_storage_hit, n_ack_prefetch, n_backup, *args, **kwargs)
-        tier = self.histate.ssd_tier
-        if tier is not None:
-            tier.confirm_backups(sorted(pending - set(self.ongoing_backup)), agreed=n_backup is not None)
-
-    def _handle_prefetch_result(self, operation: Any) -> None:
-        """SGLang's L3 prefetch inserts host nodes read from HiState's SSD: they are SSD-backed."""
-        entry = self.ongoing_prefetch.get(operation.handle)
-        super()._handle_prefetch_result(operation)
-        tier = self.histate.ssd_tier
-        if tier is not None and entry is not None and operation.completed_tokens > 0:
-            anchor = self.tree_core.node_by_id(entry.anchor_node_id)
-            tier.on_prefetched(anchor, tuple(operation.hash_value[: operation.completed_tokens // self.page_size]))
-
-    def check_hicache_events(self) -> None:
-        super().check_hicache_events()
-        tier = self.histate.ssd_tier
-        if tier is not None:
-            tier.home_historical()
-            tier.demote()
-            tier.trim()
-            tier.reap()
+        def check_hicache_events(self) -> None:
+            super().check_hicache_events()
+            self._hs_storage_policy.on_step()
 
     def retire_state_copies(self, sg: Any) -> Optional[int]:
         """Drop the device and host copies of `sg`'s state, keeping the node, its KV and its SSD copy
@@ -288,11 +263,19 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     # --- matching ----------------------------------------------------------------------------------
 
-    def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
-        if self.disable:
-            return self.tree_core.empty_match_result
-        result = self.tree_core.match_prefix(params)
-        self._apply_cache_actions(result.cache_actions)
+    if not WALK_EVENTS_BY_SGLANG:  # stock 0.5.23: the match, overridden to report it (upstream/series 0007)
+
+        def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
+            if self.disable:
+                return self.tree_core.empty_match_result
+            result = self.tree_core.match_prefix(params)
+            self._apply_cache_actions(result.cache_actions)
+            self.on_prefix_matched(params, result)
+            return self._finalize_match_result(params, result)
+
+    def on_prefix_matched(self, params: MatchPrefixParams, result: MatchResult) -> None:
+        """A match walked the tree (its actions applied, not yet finalized): refresh and learn per HiState's
+        policy (`runtime.on_match`), remember an SSD checkpoint to restore, update the gauges."""
         runtime = self.histate
         visited = result.last_visited_node_id
         last = self.tree_core.node_by_id(visited if visited is not None else result.best_match_node)
@@ -302,7 +285,6 @@ class HiStateRadixCache(UnifiedRadixCache):
             runtime.ssd_tier.note_match(params.req.cache_request_handle, ckpt_node)
         if params.req is not None:
             self._update_checkpoint_gauges()
-        return self._finalize_match_result(params, result)
 
     def _update_checkpoint_gauges(self) -> None:
         """Checkpoints resident per tier, from O(1) sources (ledger, host pool, SSD counter)."""

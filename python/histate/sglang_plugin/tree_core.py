@@ -11,15 +11,21 @@ cores) and selected per cache through `CacheInitParams.tree_core_backend`. It is
   * a state materialised on the device (load-back): a new unit;
   * KV loaded back from the host: a new stay on the device;
   * a node unlinked (`TierVictims.on_removed`, and the SSD tier forgets or orphans its objects);
-  * reset.
+  * reset;
+  * an insert's walk through existing nodes (their KV used now), its commit (a new node or checkpoint
+    stamped and its neighbours re-offered), a split (the head inherits the stamps), and a match (the
+    cache's `on_prefix_matched`: refresh and learn, `runtime.on_match`).
 On a SGLang whose tree core reports its changes (upstream/series 0005, `UnifiedTreeCore.add_observer`)
 the observer is registered with it; on stock 0.5.23 `HiStateTreeCore` overrides the six private
-mutators that make those changes and calls the same observer.
+mutators that make those changes and calls the same observer. The walk events come from SGLang too under
+upstream/series 0007; on stock from MAMBA's insert and split hooks (components.py) and the cache's
+`_match_tree` (tree_cache.py).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
+from sglang.srt.mem_cache.unified_cache import unified_tree_core_interface
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
 from histate.core import Tier
@@ -32,13 +38,18 @@ BACKEND_NAME = "histate"
 OBSERVED_BY_SGLANG = hasattr(UnifiedTreeCore, "add_observer")
 """upstream/series 0005 applied: the tree core calls observers itself (no private override here)."""
 
+WALK_EVENTS_BY_SGLANG = hasattr(getattr(unified_tree_core_interface, "TreeCoreObserver", None), "on_insert_committed")
+"""upstream/series 0007 applied: the tree core reports an insert's path, its commit and a split, and the cache
+a match (no MAMBA hook or match override here)."""
+
 
 class HiStateTreeObserver:
     """The victim heaps' and the SSD tier's change feed (the methods of SGLang's `TreeCoreObserver`)."""
 
-    def __init__(self, histate: Any, tree_core: Any):
+    def __init__(self, histate: Any, tree_core: Any, on_matched: Optional[Callable[[Any, Any], None]] = None):
         self.histate = histate  # the cache's HiStateRuntime
         self.tree_core = tree_core
+        self.on_matched = on_matched  # the cache's match handling (HiStateRadixCache.on_prefix_matched)
 
     def on_evictable_changed(self, node: Any) -> None:
         core = core_of(node)
@@ -80,6 +91,38 @@ class HiStateTreeObserver:
     def on_reset(self, root: Any) -> None:
         self.histate.victims.reset()
         self.histate.attach_tree(root)  # holds of the old tree went with it
+
+    def on_insert_path_node(self, node: Any) -> None:
+        """An insert walked through an existing node: its KV was used now (the core's `_insert_kv`)."""
+        core_of(node).kv_access_s = self.histate.now()
+
+    def on_insert_committed(self, node: Any, is_new_leaf: bool, result: Any) -> None:
+        """An insert ended at `node` with its state: a new node and a new checkpoint are stamped, counted
+        in (Little's law) and their neighbours re-offered; a state already there is refreshed (the core's
+        `_add_checkpoint`)."""
+        runtime = self.histate
+        now_s = runtime.now()
+        core = core_of(node)
+        if is_new_leaf:
+            runtime.new_node(core, now_s)
+            runtime.bytes_in(Tier.GPU, len(node.key) * runtime.core_config.kv_bytes_per_token)
+        if result.mamba_exist:
+            core.ckpt_access_s = now_s
+        else:
+            runtime.new_checkpoint(core, now_s)
+            runtime.bytes_in(Tier.GPU, runtime.core_config.checkpoint_size_bytes)
+
+    def on_node_split(self, new_parent: Any, child: Any) -> None:
+        """The split head inherits the KV stamps and KV tiers; the checkpoint stays at the tail's end (the
+        core's `RadixTree.split`); a hold covering the tail covers its head."""
+        head, tail = core_of(new_parent), core_of(child)
+        head.kv_access_s, head.kv_created_s, head.ssd_kv = tail.kv_access_s, tail.kv_created_s, tail.ssd_kv
+        head.ckpt_access_s = head.ckpt_created_s = tail.kv_access_s
+        head.session_ref = tail.session_ref
+
+    def on_prefix_matched(self, params: Any, result: Any) -> None:
+        if self.on_matched is not None:
+            self.on_matched(params, result)
 
 
 class HiStateTreeCore(UnifiedTreeCore):
