@@ -93,6 +93,10 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
 
     if STORAGE_POLICY_BY_SGLANG:  # 0008 applied: HiCache's storage path calls HiState's policy
         listed -= hook_points.RETIRED_BY_PATCH["0008-hicache-storage-tier-policy"]
+    from histate.sglang_plugin.tree_core import SESSION_EVENTS_BY_SGLANG
+
+    if SESSION_EVENTS_BY_SGLANG:  # 0009 applied: session releases come as observer events
+        listed -= hook_points.RETIRED_BY_PATCH["0009-mem-cache-session-release-events"]
     if upstream_cut_grid():  # upstream/series 0002 applied: the cache answers SGLang's new protocol
         listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
                    for name in ("prefill_cut_grid", "on_prefill_cut_floored")}

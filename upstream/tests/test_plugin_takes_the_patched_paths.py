@@ -252,3 +252,32 @@ def test_0008_hicaches_storage_path_asks_histates_policy_and_nothing_is_overridd
     policy = cache.storage_tier_policy
     cache.reset()
     assert cache.storage_tier_policy is policy
+
+
+def test_0009_session_releases_reach_histate_from_sglangs_events():
+    """FULL's and MAMBA's session-coverage walks are SGLang's own, and closing a session re-offers the nodes
+    it held (HiState's victim heaps, spied on), as the stock mixins did."""
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    from histate.sglang_plugin import components, tree_core
+    from histate.sglang_plugin.core_nodes import core_of
+    from test.sglang.test_session_radix import SessionRig
+
+    assert tree_core.SESSION_EVENTS_BY_SGLANG
+    for ours, theirs, names in ((components.HiStateFullComponent, FullComponent,
+                                 ("_dec_session_coverage", "_recede_session_coverage")),
+                                (components.HiStateMambaComponent, MambaComponent, ("_dec_session_coverage",))):
+        for name in names:
+            assert getattr(ours, name) is getattr(theirs, name), (ours.__name__, name)
+    rig = SessionRig("histate")
+    tokens = list(range(1, 33))
+    assert rig.turn(tokens, "s1")
+    core = rig.cache.tree_core
+    held = {core_of(n) for n in core._node_arena.values() if n is not core.root_node}
+    touched = []
+    touch = rig.cache.histate.victims.touch
+    rig.cache.histate.victims.touch = lambda node: touched.append(node) or touch(node)
+    rig.cache.release_radix_session("s1")
+    assert held and held <= set(touched)
+    rig.check()

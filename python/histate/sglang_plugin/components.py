@@ -12,15 +12,16 @@ primitives) and change only which unit goes next, asking the cache's `TierVictim
   * on stock 0.5.23, MAMBA's insert and split hooks report the insert's path, its commit and a split to
     `HiStateTreeObserver` (new nodes and checkpoints stamped, their neighbours re-offered: the core's
     `_add_checkpoint`);
-  * with `--enable-session-radix-cache`, a node whose session reference goes is re-offered (eviction.py:
-    a referenced unit ranks after every unreferenced one; once unreferenced its score drops below the key
-    its heap entry may carry). SGLang's own session bookkeeping (coverage, tombstones, validation) runs
-    unchanged.
+  * with `--enable-session-radix-cache`, on stock 0.5.23, FULL's and MAMBA's session-coverage walks report
+    a node whose last session reference went to `HiStateTreeObserver.on_session_released`, which re-offers
+    it (eviction.py: a referenced unit ranks after every unreferenced one; once unreferenced its score
+    drops below the key its heap entry may carry). SGLang's own session bookkeeping (coverage, tombstones,
+    validation) runs unchanged.
 
 On a SGLang with the upstream series applied, SGLang's own walks ask `HiStateRanker` (0006,
 `set_eviction_ranker`) and its lock reports the leaf it drops to the tree's observers (0005), and its tree
-core reports inserts and splits (0007), so the walk mixins, the lock re-offer and the insert-event mixin
-below are not mixed in; the rest stays.
+core reports inserts and splits (0007) and session releases (0009), so the walk mixins, the lock
+re-offer and the insert and session event mixins below are not mixed in; the rest stays.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from histate.core import Tier, UnitKind
 
 from .core_nodes import core_of
 from .eviction import is_bundle, takes_device_state, takes_host_state
-from .tree_core import OBSERVED_BY_SGLANG, WALK_EVENTS_BY_SGLANG
+from .tree_core import OBSERVED_BY_SGLANG, SESSION_EVENTS_BY_SGLANG, WALK_EVENTS_BY_SGLANG
 
 
 RANKED_BY_SGLANG = hasattr(UnifiedTreeCoreInterface, "set_eviction_ranker")
@@ -165,6 +166,58 @@ class _FullLockReoffer:
             self.cache.histate.victims.touch(core_of(leaf))
         return result
 
+    def _device_leaf_above(self, node: Any) -> Any:
+        """The first node on the path up from `node` that holds KV on the device, if it is an
+        evictable leaf (only it can be one: every node above it has a device child)."""
+        core = self.tree_core
+        while node is not core.root_node and node.component_data[self.component_type].value is None:
+            node = node.parent
+        return node if node in core.evictable_device_leaves else None
+
+
+class _FullSessionRelease:
+    """Stock 0.5.23 only: FULL's session-coverage walks report each node whose last session reference
+    went to `HiStateTreeObserver.on_session_released` (it is re-offered: a referenced unit ranks after every
+    unreferenced one, and once unreferenced its score drops below the key its heap entry may carry). Under
+    upstream/series 0009 FULL reports them itself, so this mixin is not mixed in."""
+
+    def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
+        path = self._path_up(leaf, None)
+        super()._dec_session_coverage(session_id, leaf)
+        self._report_released(path)
+
+    def _recede_session_coverage(self, session_id: str, leaf: Any, fallback: Any) -> None:
+        path = self._path_up(leaf, fallback)
+        super()._recede_session_coverage(session_id, leaf, fallback)
+        self._report_released(path)
+
+    def _path_up(self, leaf: Any, stop: Any) -> list:
+        """The nodes FULL's session coverage walks (full.py:68-107): `leaf` up to `stop` or the root;
+        each had a reference (SGLang asserts it), so those at 0 after the walk are the ones it released."""
+        root, path = self.tree_core.root_node, []
+        while leaf is not None and leaf is not stop and leaf is not root:
+            path.append(leaf)
+            leaf = leaf.parent
+        return path
+
+    def _report_released(self, nodes: list) -> None:
+        observer = self.tree_core.observer
+        for node in nodes:
+            if observer is not None and node.component_data[self.component_type].session_ref == 0:
+                observer.on_session_released(node, self.component_type)
+
+
+class _MambaSessionRelease:
+    """Stock 0.5.23 only: MAMBA's session release (close, timeout, the session moved on, the node was
+    deleted; `_advance` / `_recede` go through `_dec_session_coverage`) reported to the observer. Under
+    upstream/series 0009 MAMBA reports it itself."""
+
+    def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
+        super()._dec_session_coverage(session_id, leaf)
+        observer = self.tree_core.observer
+        if observer is not None and leaf.component_data[self.component_type].session_ref == 0:
+            observer.on_session_released(leaf, self.component_type)
+
 
 class _MambaInsertEvents:
     """Stock 0.5.23 only: the insert walk, its commit and a split, reported to `HiStateTreeObserver` from the
@@ -190,53 +243,16 @@ class _MambaInsertEvents:
 
 
 _FULL_BASES = (*(() if OBSERVED_BY_SGLANG else (_FullLockReoffer,)), *(() if RANKED_BY_SGLANG else (_FullWalks,)),
-               FullComponent)
+               *(() if SESSION_EVENTS_BY_SGLANG else (_FullSessionRelease,)), FullComponent)
 _MAMBA_BASES = (*(() if WALK_EVENTS_BY_SGLANG else (_MambaInsertEvents,)), *(() if RANKED_BY_SGLANG else (_MambaWalks,)),
-                MambaComponent)
+                *(() if SESSION_EVENTS_BY_SGLANG else (_MambaSessionRelease,)), MambaComponent)
 
 
 class HiStateFullComponent(*_FULL_BASES):
-    def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
-        path = self._path_up(leaf, None)
-        super()._dec_session_coverage(session_id, leaf)
-        self._reoffer_unreferenced(path)
-
-    def _recede_session_coverage(self, session_id: str, leaf: Any, fallback: Any) -> None:
-        path = self._path_up(leaf, fallback)
-        super()._recede_session_coverage(session_id, leaf, fallback)
-        self._reoffer_unreferenced(path)
-
-    def _path_up(self, leaf: Any, stop: Any) -> list:
-        """The nodes FULL's session coverage walks (full.py:68-107): `leaf` up to `stop` or the root."""
-        root, path = self.tree_core.root_node, []
-        while leaf is not None and leaf is not stop and leaf is not root:
-            path.append(leaf)
-            leaf = leaf.parent
-        return path
-
-    def _reoffer_unreferenced(self, nodes: list) -> None:
-        victims = self.cache.histate.victims
-        for node in nodes:
-            if node.component_data[self.component_type].session_ref == 0:
-                victims.touch(core_of(node))
-
-    def _device_leaf_above(self, node: Any) -> Any:
-        """The first node on the path up from `node` that holds KV on the device, if it is an
-        evictable leaf (only it can be one: every node above it has a device child)."""
-        core = self.tree_core
-        while node is not core.root_node and node.component_data[self.component_type].value is None:
-            node = node.parent
-        return node if node in core.evictable_device_leaves else None
+    """SGLang's FULL component; on stock 0.5.23 with the mixins above."""
 
 
 class HiStateMambaComponent(*_MAMBA_BASES):
-    def _dec_session_coverage(self, session_id: str, leaf: Any) -> None:
-        """A session's reference on this state went (close, timeout, the session moved on, the node was
-        deleted): re-offer it once nothing references it (MAMBA's `_advance` / `_recede` go through here)."""
-        super()._dec_session_coverage(session_id, leaf)
-        if leaf.component_data[self.component_type].session_ref == 0:
-            self.cache.histate.victims.touch(core_of(leaf))
-
     def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int,
                                 is_finished: bool) -> Optional[int]:
         """An extra checkpoint of a pass (capture.py) is inserted with its own slot and length; the

@@ -298,6 +298,12 @@ RETIRED_BY_PATCH: dict = {
         ("HiStateRadixCache", f"sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.{name}")
         for name in ("_all_reduce", "_drain_storage_control_queues_impl", "_handle_prefetch_result",
                      "_sync_hicache_ready_counts", "check_hicache_events", "write_backup_storage")},
+    "0009-mem-cache-session-release-events": {
+        ("HiStateFullComponent", "sglang.srt.mem_cache.unified_cache.components.full.FullComponent._dec_session_coverage"),
+        ("HiStateFullComponent",
+         "sglang.srt.mem_cache.unified_cache.components.full.FullComponent._recede_session_coverage"),
+        ("HiStateMambaComponent",
+         "sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent._dec_session_coverage")},
 }
 """Which patch of upstream/series retires which hook point, as (owner, target): with that patch applied the
 plugin takes the public path it adds and installs or overrides nothing there (docs/upstream.md). 0001 and

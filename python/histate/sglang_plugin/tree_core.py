@@ -42,6 +42,11 @@ WALK_EVENTS_BY_SGLANG = hasattr(getattr(unified_tree_core_interface, "TreeCoreOb
 """upstream/series 0007 applied: the tree core reports an insert's path, its commit and a split, and the cache
 a match (no MAMBA hook or match override here)."""
 
+SESSION_EVENTS_BY_SGLANG = hasattr(getattr(unified_tree_core_interface, "TreeCoreObserver", None),
+                                   "on_session_released")
+"""upstream/series 0009 applied: FULL's and MAMBA's session-coverage walks report a released node (no
+session override here)."""
+
 
 class HiStateTreeObserver:
     """The victim heaps' and the SSD tier's change feed (the methods of SGLang's `TreeCoreObserver`)."""
@@ -123,6 +128,11 @@ class HiStateTreeObserver:
     def on_prefix_matched(self, params: Any, result: Any) -> None:
         if self.on_matched is not None:
             self.on_matched(params, result)
+
+    def on_session_released(self, node: Any, component_type: Any) -> None:
+        """No session references the node's KV (FULL) or state (MAMBA) any more: re-offer it (a referenced
+        unit ranks after every unreferenced one; its heap entry may carry that higher key)."""
+        self.histate.victims.touch(core_of(node))
 
 
 class HiStateTreeCore(UnifiedTreeCore):
