@@ -97,6 +97,10 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
 
     if SESSION_EVENTS_BY_SGLANG:  # 0009 applied: session releases come as observer events
         listed -= hook_points.RETIRED_BY_PATCH["0009-mem-cache-session-release-events"]
+    from histate.sglang_plugin.storage_policy import RESTORE_HOLD_BY_SGLANG
+
+    if RESTORE_HOLD_BY_SGLANG:  # 0010 applied: the restore hold and abort go through the storage policy
+        listed -= hook_points.RETIRED_BY_PATCH["0010-hicache-storage-restore-hold"]
     if upstream_cut_grid():  # upstream/series 0002 applied: the cache answers SGLang's new protocol
         listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
                    for name in ("prefill_cut_grid", "on_prefill_cut_floored")}

@@ -281,3 +281,46 @@ def test_0009_session_releases_reach_histate_from_sglangs_events():
     rig.cache.release_radix_session("s1")
     assert held and held <= set(touched)
     rig.check()
+
+
+def test_0010_the_restore_hold_and_the_restored_state_go_through_sglangs_api(tmp_path):
+    """No admission or abort override, no host-value primitive of HiState's own; an SSD-only checkpoint is
+    still restored before its request is admitted (held by the policy, placed by SGLang's primitive)."""
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from histate.sglang_plugin import storage_policy, tree_cache, tree_core
+
+    assert storage_policy.RESTORE_HOLD_BY_SGLANG and tree_core.HOST_VALUE_BY_SGLANG
+    for name in ("check_prefetch_progress", "release_aborted_request"):
+        assert getattr(tree_cache.HiStateRadixCache, name) is getattr(UnifiedRadixCache, name), name
+    assert tree_core.HiStateTreeCore.set_component_host_value is UnifiedTreeCore.set_component_host_value
+    import time
+
+    from sglang_cpu.pools import PAGE, ManualClock, build_pools
+    from test.sglang.test_hicache_tiers import _request, _ssd_only_checkpoint
+
+    placed = []
+    original = UnifiedTreeCore.set_component_host_value
+
+    def spy(self, node_id, component_type, value):
+        placed.append(node_id)
+        return original(self, node_id, component_type, value)
+
+    UnifiedTreeCore.set_component_host_value = spy
+    try:
+        cache, tokens, node, _ = _ssd_only_checkpoint(tmp_path, build_pools(1024, 8), ManualClock(1.0))
+        req = _request(tokens[:6 * PAGE] + [1] * PAGE)
+        req.init_next_round_input(cache)  # the waiting request's match: its checkpoint is on SSD only
+        handle = req.cache_request_handle
+        rounds = 0
+        while not cache.check_prefetch_progress(handle):  # held by HiState's policy while the read runs
+            rounds += 1
+            assert rounds < 5000, "the restore never completed"
+            time.sleep(0.002)
+            cache.check_hicache_events()
+    finally:
+        UnifiedTreeCore.set_component_host_value = original
+    assert rounds >= 1 and placed == [node.id]  # held, then placed through SGLang's primitive
+    assert node.component_data[2].host_value is not None
+    cache.sanity_check()

@@ -140,3 +140,82 @@ def test_a_prefetch_from_storage_is_reported_once_committed(tiered):
     assert reused == 16 * PAGE
     (anchor, pages), = policy.committed
     assert anchor == cache.tree_core.root_node.id and len(pages) == 16 * PAGE // cache.page_size
+
+
+# --- 0010: the admission hold, the abort release, and a restored host value -------------------------------
+
+
+class Holding(Recorder):
+    """Holds every request until `ready` is set; records the releases."""
+
+    def __init__(self):
+        super().__init__()
+        self.ready, self.asked, self.released = False, [], []
+
+    def admission_ready(self, request):
+        self.asked.append(request)
+        return self.ready
+
+    def on_request_released(self, request):
+        self.released.append(request)
+
+
+def test_a_policy_holds_admission_until_it_is_ready(tiered):
+    from sglang_cpu.hicache import request
+
+    cache, _, _ = tiered
+    handle = request("r1", list(range(1, 2 * PAGE + 1))).cache_request_handle
+    assert cache.check_prefetch_progress(handle)  # no policy: nothing to wait for
+    policy = Holding()
+    cache.set_storage_tier_policy(policy)
+    assert not cache.check_prefetch_progress(handle) and not cache.check_prefetch_progress(handle)
+    policy.ready = True
+    assert cache.check_prefetch_progress(handle)
+    assert policy.asked == [handle] * 3
+
+
+def test_an_abort_is_reported_to_the_policy_once(tiered):
+    from sglang_cpu.hicache import request
+
+    cache, _, _ = tiered
+    policy = Holding()
+    cache.set_storage_tier_policy(policy)
+    handle = request("r2", list(range(1, 2 * PAGE + 1))).cache_request_handle
+    cache.release_aborted_request(handle)
+    assert policy.released == [handle]
+
+
+def test_a_restored_host_state_is_placed_as_a_prefetch_places_it(tiered):
+    """A node backed up to the host without its state gets one through `set_component_host_value`: it
+    holds the slot, joins the host LRU exactly when it has no device state, the tree stays consistent
+    (SGLang's own sanity check), and a second placement on the same node is refused."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    cache, pools, _ = tiered
+    TieredDriver(cache, pools).serve(list(range(1, 4 * PAGE + 1)), [4 * PAGE])
+    drain_backups(cache)
+    core = cache.tree_core
+    mamba = ComponentType.MAMBA
+    [node] = [n for n in core._node_arena.values() if n.component_data[mamba].host_value is not None]
+    data = node.component_data[mamba]
+    host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
+    host_pool.free(data.host_value)  # as if the host had dropped the state and kept the KV
+    data.host_value = None
+    cache.sanity_check()
+    slot = host_pool.alloc(1)
+    core.set_component_host_value(node.id, mamba, slot.clone())
+    assert data.host_value is not None and int(data.host_value[0]) == int(slot[0])
+    assert core.host_lru_lists[mamba].in_list(node) == (data.value is None)
+    cache.sanity_check()
+    with pytest.raises(AssertionError, match="already holds a host value"):
+        core.set_component_host_value(node.id, mamba, slot.clone())
+
+
+def test_a_core_that_cannot_place_host_values_refuses():
+    from sglang.srt.mem_cache.rust_tree_core.adapter import RustUnifiedTreeCore
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import UnifiedTreeCoreInterface
+
+    assert RustUnifiedTreeCore.set_component_host_value is UnifiedTreeCoreInterface.set_component_host_value
+    with pytest.raises(NotImplementedError, match="does not place host values"):
+        UnifiedTreeCoreInterface.set_component_host_value(object.__new__(RustUnifiedTreeCore), 1, 2, None)

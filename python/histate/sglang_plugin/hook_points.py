@@ -304,6 +304,9 @@ RETIRED_BY_PATCH: dict = {
          "sglang.srt.mem_cache.unified_cache.components.full.FullComponent._recede_session_coverage"),
         ("HiStateMambaComponent",
          "sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent._dec_session_coverage")},
+    "0010-hicache-storage-restore-hold": {
+        ("HiStateRadixCache", f"sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.{name}")
+        for name in ("check_prefetch_progress", "release_aborted_request")},
 }
 """Which patch of upstream/series retires which hook point, as (owner, target): with that patch applied the
 plugin takes the public path it adds and installs or overrides nothing there (docs/upstream.md). 0001 and

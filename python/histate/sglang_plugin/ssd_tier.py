@@ -801,7 +801,7 @@ class SsdTier:
         cache, node = self.cache, job.node
         sg = node.sg
         if ok and node.is_alive and sg.component_data[MAMBA].host_value is None:
-            cache.tree_core.attach_host_state(sg, job.host_slot)
+            cache.tree_core.set_component_host_value(sg.id, MAMBA, job.host_slot.clone())
             node.ckpt_access_s = self.runtime.now()
             self.runtime.metrics.record_restore(ok=True)
         else:

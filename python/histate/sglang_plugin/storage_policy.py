@@ -10,18 +10,25 @@ The methods are those of SGLang's `StorageTierPolicy` (upstream/series 0008,
   * `on_prefetch_committed`: nodes SGLang's L3 prefetch brought back are SSD-backed;
   * `step_sync_values` / `adopt_step_sync`: the clock, the SSD usage and each SSD restore's (done, ok) ride
     on SGLang's per-step MIN all-reduce of the HiCache ready counts (one collective, the same on every rank);
-  * `on_step`: the SSD tier's per-step work (home historical checkpoints, demote, trim, reap).
+  * `on_step`: the SSD tier's per-step work (home historical checkpoints, demote, trim, reap);
+  * `admission_ready` / `on_request_released` (upstream/series 0010): a request is held while its SSD
+    checkpoint is restored, and an aborted request's restore is cancelled.
 On a SGLang with the patch the cache installs this object; on stock 0.5.23 the cache overrides the six
 methods that make those calls (tree_cache.py) and calls the same object.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Optional, Sequence
 
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 STORAGE_POLICY_BY_SGLANG = hasattr(UnifiedRadixCache, "set_storage_tier_policy")
 """upstream/series 0008 applied: SGLang calls a `StorageTierPolicy` itself (no HiCache override here)."""
+
+RESTORE_HOLD_BY_SGLANG = STORAGE_POLICY_BY_SGLANG and hasattr(
+    importlib.import_module("sglang.srt.mem_cache.storage_tier_policy").StorageTierPolicy, "admission_ready")
+"""upstream/series 0010 applied: SGLang asks the policy before admitting a request and tells it of an abort."""
 
 
 class HiStateStoragePolicy:
@@ -88,3 +95,14 @@ class HiStateStoragePolicy:
             tier.demote()
             tier.trim()
             tier.reap()
+
+    def admission_ready(self, request: Any) -> bool:
+        """False while the request waits for its SSD checkpoint's restore (`SsdTier.restore_ready`)."""
+        tier = self._tier
+        return tier is None or tier.restore_ready(request)
+
+    def on_request_released(self, request: Any) -> None:
+        """An aborted request's restore is cancelled (its slot freed once the read returns)."""
+        tier = self._tier
+        if tier is not None:
+            tier.cancel(request)

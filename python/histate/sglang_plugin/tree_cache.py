@@ -29,7 +29,7 @@ from .host_stack import current_build_config, histate_build_scope, install_host_
 from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics, upstream_cache_series
 from .runtime import HiStateRuntime
-from .storage_policy import STORAGE_POLICY_BY_SGLANG, HiStateStoragePolicy
+from .storage_policy import RESTORE_HOLD_BY_SGLANG, STORAGE_POLICY_BY_SGLANG, HiStateStoragePolicy
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import WALK_EVENTS_BY_SGLANG, HiStateTreeObserver, register_tree_core
 
@@ -250,16 +250,14 @@ class HiStateRadixCache(UnifiedRadixCache):
             self._apply_cache_actions(actions)
         return len(layers)
 
-    def check_prefetch_progress(self, request: Any) -> bool:
-        if not super().check_prefetch_progress(request):
-            return False
-        tier = self.histate.ssd_tier
-        return tier is None or tier.restore_ready(request)
+    if not RESTORE_HOLD_BY_SGLANG:  # stock 0.5.23 (and 0008 alone): the admission hold, overridden
 
-    def release_aborted_request(self, request: Any) -> None:
-        super().release_aborted_request(request)
-        if self.histate.ssd_tier is not None:
-            self.histate.ssd_tier.cancel(request)
+        def check_prefetch_progress(self, request: Any) -> bool:
+            return super().check_prefetch_progress(request) and self._hs_storage_policy.admission_ready(request)
+
+        def release_aborted_request(self, request: Any) -> None:
+            super().release_aborted_request(request)
+            self._hs_storage_policy.on_request_released(request)
 
     # --- matching ----------------------------------------------------------------------------------
 

@@ -42,6 +42,9 @@ WALK_EVENTS_BY_SGLANG = hasattr(getattr(unified_tree_core_interface, "TreeCoreOb
 """upstream/series 0007 applied: the tree core reports an insert's path, its commit and a split, and the cache
 a match (no MAMBA hook or match override here)."""
 
+HOST_VALUE_BY_SGLANG = hasattr(UnifiedTreeCore, "set_component_host_value")
+"""upstream/series 0010 applied: the tree core places a restored host value itself (`set_component_host_value`)."""
+
 SESSION_EVENTS_BY_SGLANG = hasattr(getattr(unified_tree_core_interface, "TreeCoreObserver", None),
                                    "on_session_released")
 """upstream/series 0009 applied: FULL's and MAMBA's session-coverage walks report a released node (no
@@ -143,18 +146,20 @@ class HiStateTreeCore(UnifiedTreeCore):
         if OBSERVED_BY_SGLANG:
             self.add_observer(observer)
 
-    def attach_host_state(self, node: Any, host_slot: Any) -> None:
-        """A state restored from SSD becomes the node's host copy, placed as SGLang's own L3 prefetch
-        places one (`MambaComponent.commit_hicache_transfer` PREFETCH, components/mamba.py:1000-1004)."""
-        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    if not HOST_VALUE_BY_SGLANG:  # stock 0.5.23: upstream/series 0010's primitive, on this core only
 
-        data = node.component_data[ComponentType.MAMBA]
-        data.host_value = host_slot.clone()
-        if data.value is None:
-            host_lru = self.host_lru_lists[ComponentType.MAMBA]
-            if not host_lru.in_list(node):
-                host_lru.insert_mru(node)
-        self._update_evictable_leaf_sets(node)
+        def set_component_host_value(self, node_id: Any, component_type: Any, value: Any) -> None:
+            """A state restored from SSD becomes the node's host copy, placed as SGLang's own L3 prefetch
+            places one (`MambaComponent.commit_hicache_transfer` PREFETCH, components/mamba.py:1083-1087)."""
+            node = self.node_by_id(node_id)
+            data = node.component_data[component_type]
+            assert data.host_value is None, "the node already holds a host value"
+            data.host_value = value
+            if data.value is None:
+                host_lru = self.host_lru_lists[component_type]
+                if not host_lru.in_list(node):
+                    host_lru.insert_mru(node)
+            self._update_evictable_leaf_sets(node)
 
     if not OBSERVED_BY_SGLANG:  # stock 0.5.23: the mutators that change the tree, overridden to feed it
 
