@@ -33,6 +33,23 @@ def _via_router(router_url: str, ids: list, key: str):
     return out["output_ids"], int(out["meta_info"]["cached_tokens"]), [e[0] for e in out["meta_info"]["output_token_logprobs"]]
 
 
+def _settled(url: str, metric: str, quiet_s: float = 2.0, deadline_s: float = 60.0) -> float:
+    """The metric once it is positive and has not moved for `quiet_s`: the session's L3 writes (its KV
+    pages and its state, written by the storage backup thread after the turn's response) are done. Waiting
+    only for the first byte let the moved turn arrive, under load, while the state was still on its way,
+    and a hybrid prefetch without its state is no hit (the full suite once saw `cached 0`)."""
+    deadline = time.monotonic() + deadline_s
+    value, since = metric_sum(url, metric), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = metric_sum(url, metric)
+        if now != value:
+            value, since = now, time.monotonic()
+        elif value > 0 and time.monotonic() - since >= quiet_s:
+            break
+    return value
+
+
 def test_a_moved_session_resumes_from_l3_and_answers_exactly(servers, fleet, ssd_root, tmp_path):
     from histate.cluster.router import Router, router_executable
     from histate.l3.services import LoopbackMooncake, unavailable_reason
@@ -56,10 +73,8 @@ def test_a_moved_session_resumes_from_l3_and_answers_exactly(servers, fleet, ssd
                 first = max(workers, key=served)
                 other = next(w for w in workers if w is not first)
                 assert served(other) == 0, "the router split the session"
-                deadline = time.monotonic() + 60
-                while metric_sum(first.url, "histate_l3_written_bytes_total") == 0 and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                assert metric_sum(first.url, "histate_l3_written_bytes_total") > 0, "nothing reached L3"
+                written = _settled(first.url, "histate_l3_written_bytes_total")
+                assert written > 0, "nothing reached L3"
                 router.remove_worker(first.url)
                 ids, cached, logprobs = _via_router(router.url, context, "session-1")
                 assert served(other) > 0, "the moved turn did not reach the other server"

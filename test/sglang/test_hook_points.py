@@ -104,6 +104,10 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
     if upstream_cut_grid():  # upstream/series 0002 applied: the cache answers SGLang's new protocol
         listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
                    for name in ("prefill_cut_grid", "on_prefill_cut_floored")}
+    from histate.sglang_plugin.host_stack import SIZED_BY_SGLANG
+
+    if SIZED_BY_SGLANG:  # 0011 applied: the cache answers SGLang's host-sizing question
+        listed.add(("HiStateRadixCache", "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.host_pool_sizes"))
     assert found == listed
 
 
@@ -129,6 +133,10 @@ def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_
     superseded = {"chunking"} if upstream_cut_grid() else set()  # upstream/series 0002 applied (make upstream-check)
     if upstream_plugin_args() is not None:  # 0003 applied: the flags are declared to SGLang, not hooked
         superseded.add("server_args")
+    from histate.sglang_plugin.host_stack import SIZED_BY_SGLANG
+
+    if SIZED_BY_SGLANG:  # 0011 applied: SGLang asks the cache for its host sizes, nothing hooked
+        superseded.add("host_sizing")
     assert ours == {point.target for point in hook_points.REGISTRY_HOOKS if point.owner not in superseded}
 
 

@@ -324,3 +324,29 @@ def test_0010_the_restore_hold_and_the_restored_state_go_through_sglangs_api(tmp
     assert rounds >= 1 and placed == [node.id]  # held, then placed through SGLang's primitive
     assert node.component_data[2].host_value is not None
     cache.sanity_check()
+
+
+def test_0011_sglang_asks_histate_for_its_host_sizes_and_nothing_is_hooked():
+    """No stack strategy of HiState's and no host-pool builder hook; the HiState cache's host pools have
+    HiState's KV-first split (its staging slots of states, the rest KV), answered through
+    `host_pool_sizes`."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from histate.sglang_plugin import host_stack
+    from sglang_cpu.hicache import build_hicache
+    from sglang_cpu.pools import build_pools
+
+    assert host_stack.SIZED_BY_SGLANG
+    host_stack.install_host_policy()
+    assert not any(type(s).__name__ == "HiStateMambaStackStrategy" for s in assembler._STRATEGIES)
+    hooked = {target for target, entries in HookRegistry._hooks.items()
+              if any(getattr(entry[1], "__module__", "").startswith("histate.") for entry in entries)}
+    assert not hooked & {f"{assembler.__name__}.{name}" for name in ("build_kv_host_pool", "build_mamba_host_pool")}
+    cache = build_hicache("histate", build_pools(1024, 32))
+    split = cache.histate_host_split
+    mamba = cache.host_pool_group.get_pool(PoolName.MAMBA)
+    assert split.state_slots <= mamba.size <= split.state_slots + mamba.page_size  # the staging slots only
+    kv = cache.host_pool_group.get_pool(PoolName.KV)
+    assert kv.size * kv.size_per_token <= split.kv_bytes + kv.page_size * kv.size_per_token

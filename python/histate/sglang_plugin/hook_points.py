@@ -307,6 +307,9 @@ RETIRED_BY_PATCH: dict = {
     "0010-hicache-storage-restore-hold": {
         ("HiStateRadixCache", f"sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.{name}")
         for name in ("check_prefetch_progress", "release_aborted_request")},
+    "0011-hybrid-pool-host-sizing-policy": {
+        ("host_sizing", f"sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.{name}")
+        for name in ("build_kv_host_pool", "build_mamba_host_pool")},
 }
 """Which patch of upstream/series retires which hook point, as (owner, target): with that patch applied the
 plugin takes the public path it adds and installs or overrides nothing there (docs/upstream.md). 0001 and

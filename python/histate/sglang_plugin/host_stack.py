@@ -8,7 +8,9 @@ reads one of. HiState keeps the same total host budget but gives it to KV, excep
 state staging area (checkpoints pass through it on their way to SSD and back); historical
 checkpoints live on the SSD tier.
 
-Mechanism: `HiStateMambaStackStrategy` is registered with `register_stack_strategy` (prepended)
+Mechanism: on a SGLang with upstream/series 0011, SGLang's hybrid Mamba stack asks the cache
+(`BasePrefixCache.host_pool_sizes`), and `HiStateRadixCache` answers with this module's split. On
+stock 0.5.23, `HiStateMambaStackStrategy` is registered with `register_stack_strategy` (prepended)
 and matches only while HiState's factory builds its cache (a context variable), so any other
 cache in the process keeps SGLang's behaviour. It computes a `HostSplit` and delegates the
 assembly to the strategy SGLang would have picked; two AROUND hooks on the host-pool builders
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -112,33 +115,44 @@ def _device_bytes(pool: Any) -> int:
     return int(sum(size) if isinstance(size, tuple) else size)
 
 
-def plan_for_stack(kvcache: Any, params: Any, config: Any) -> HostSplit:
+def plan_for_stack(kvcache: Any, mamba_pool: Any, max_requests: int, config: Any) -> HostSplit:
     """The HiState split for this server: same total host budget as stock SGLang, KV first."""
     from sglang.srt.runtime_context import get_memory
 
-    mamba_pool = params.req_to_token_pool.mamba_pool
     slot_bytes = mamba_slot_bytes(mamba_pool)
     memory = get_memory()
     if memory.hicache_size > 0:
         budget = int(memory.hicache_size * GB)
     else:  # ratio mode: what the two mirrored host pools would have taken together
         budget = int(memory.hicache_ratio * (_device_bytes(kvcache) + _device_bytes(mamba_pool)))
-    slots = config.host_state_slots or default_staging_slots(params.req_to_token_pool.size)
+    slots = config.host_state_slots or default_staging_slots(max_requests)
     return histate_host_split(budget, slot_bytes, slots)
+
+
+def host_pool_sizes(split: HostSplit) -> tuple:
+    """(KV, Mamba) host GB for SGLang's host-pool builders. Half a state slot of slack: the Mamba host pool
+    floors host_size * 1e9 / slot_bytes."""
+    return split.kv_bytes / GB, (split.state_slots + 0.5) * split.state_slot_bytes / GB
+
+
+def log_split(split: HostSplit) -> None:
+    logger.info(
+        "HiState host split: KV %.2f GB, states %.2f GB (%d staging slots of %.1f MiB) of %.2f GB",
+        split.kv_bytes / GB, split.state_bytes / GB, split.state_slots, split.state_slot_bytes / 2**20,
+        split.budget_bytes / GB)
 
 
 def _kv_host_pool_around(original: Any, *args: Any, **kwargs: Any) -> Any:
     split = _active_split.get()
     if split is not None and kwargs.get("pool_label", "kv") == "kv":
-        kwargs["host_size"] = split.kv_bytes / GB
+        kwargs["host_size"] = host_pool_sizes(split)[0]
     return original(*args, **kwargs)
 
 
 def _mamba_host_pool_around(original: Any, *args: Any, **kwargs: Any) -> Any:
     split = _active_split.get()
     if split is not None:
-        # Half a slot of slack: the pool floors host_size * 1e9 / slot_bytes.
-        kwargs["host_size"] = (split.state_slots + 0.5) * split.state_slot_bytes / GB
+        kwargs["host_size"] = host_pool_sizes(split)[1]
     return original(*args, **kwargs)
 
 
@@ -165,7 +179,8 @@ def _stack_strategy_class() -> type:
 
         def build(self, *, cache: Any, kvcache: Any, params: Any, **kwargs: Any) -> Any:
             config = _building.get()
-            split = plan_for_stack(kvcache, params, config)
+            split = plan_for_stack(kvcache, params.req_to_token_pool.mamba_pool, params.req_to_token_pool.size,
+                                   config)
             delegate = self._delegate(kvcache, set(cache.components))
             token = _active_split.set(split)
             try:
@@ -173,19 +188,22 @@ def _stack_strategy_class() -> type:
             finally:
                 _active_split.reset(token)
             cache.histate_host_split = split
-            logger.info(
-                "HiState host split: KV %.2f GB, states %.2f GB (%d staging slots of %.1f MiB) "
-                "of %.2f GB", split.kv_bytes / GB, split.state_bytes / GB, split.state_slots,
-                split.state_slot_bytes / 2**20, split.budget_bytes / GB)
+            log_split(split)
             return result
 
     return HiStateMambaStackStrategy
 
 
+SIZED_BY_SGLANG = hasattr(importlib.import_module("sglang.srt.mem_cache.base_prefix_cache").BasePrefixCache,
+                          "host_pool_sizes")
+"""upstream/series 0011 applied: SGLang's hybrid Mamba stack asks the cache for its host sizes
+(`HiStateRadixCache.host_pool_sizes`); no stack strategy or builder hook is installed."""
+
+
 def install_host_policy() -> None:
-    """Register the stack strategy and the two sizing hooks (once per process)."""
+    """Register the stack strategy and the two sizing hooks (once per process; stock 0.5.23 only)."""
     global _installed
-    if _installed:
+    if _installed or SIZED_BY_SGLANG:
         return
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import register_stack_strategy
 

@@ -25,7 +25,8 @@ from histate.core import Tier
 from .components import RANKED_BY_SGLANG, HiStateFullComponent, HiStateMambaComponent, HiStateRanker
 from .config import HiStateConfig, HiStateConfigError, resolve_config
 from .hook_points import check_overrides
-from .host_stack import current_build_config, histate_build_scope, install_host_policy, mamba_slot_bytes
+from .host_stack import (current_build_config, histate_build_scope, host_pool_sizes, install_host_policy, log_split,
+                         mamba_slot_bytes, plan_for_stack)
 from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics, upstream_cache_series
 from .runtime import HiStateRuntime
@@ -119,6 +120,15 @@ class HiStateRadixCache(UnifiedRadixCache):
         self.histate.adopt_agreed_sizes(*(int(v) for v in sizes.tolist()))
 
     # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
+
+    def host_pool_sizes(self, kv_pool: Any, state_pool: Any) -> tuple:
+        """HiState's host split (host_stack.py: the same budget as SGLang's rule, KV first, a few state
+        slots for staging); SGLang's hybrid Mamba stack asks this under upstream/series 0011 (stock
+        0.5.23 never calls it: `HiStateMambaStackStrategy` applies the same split there)."""
+        split = plan_for_stack(kv_pool, state_pool, self.req_to_token_pool.size, self.histate.config)
+        self.histate_host_split = split
+        log_split(split)
+        return host_pool_sizes(split)
 
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
