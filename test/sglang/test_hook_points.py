@@ -108,6 +108,11 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
 
     if SIZED_BY_SGLANG:  # 0011 applied: the cache answers SGLang's host-sizing question
         listed.add(("HiStateRadixCache", "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.host_pool_sizes"))
+    from histate.sglang_plugin.short_prefill import LIMITED_BY_SGLANG
+
+    if LIMITED_BY_SGLANG:  # 0012 applied: the cache answers SGLang's chunk-limit question
+        listed.add(("HiStateRadixCache",
+                    "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.continuing_chunk_limiter"))
     assert found == listed
 
 
@@ -137,6 +142,10 @@ def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_
 
     if SIZED_BY_SGLANG:  # 0011 applied: SGLang asks the cache for its host sizes, nothing hooked
         superseded.add("host_sizing")
+    from histate.sglang_plugin.short_prefill import LIMITED_BY_SGLANG
+
+    if LIMITED_BY_SGLANG:  # 0012 applied: SGLang asks the cache for the chunk cap, nothing hooked
+        superseded.add("short_prefill")
     assert ours == {point.target for point in hook_points.REGISTRY_HOOKS if point.owner not in superseded}
 
 

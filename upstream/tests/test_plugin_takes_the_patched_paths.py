@@ -350,3 +350,24 @@ def test_0011_sglang_asks_histate_for_its_host_sizes_and_nothing_is_hooked():
     assert split.state_slots <= mamba.size <= split.state_slots + mamba.page_size  # the staging slots only
     kv = cache.host_pool_group.get_pool(PoolName.KV)
     assert kv.size * kv.size_per_token <= split.kv_bytes + kv.page_size * kv.size_per_token
+
+
+def test_0012_sglang_asks_histates_cache_for_the_chunk_cap_and_nothing_is_hooked():
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from histate.sglang_plugin import short_prefill
+    from histate.sglang_plugin.config import resolve_config
+    from sglang_cpu.pools import build_cache, build_pools, publish_server_args
+
+    assert short_prefill.LIMITED_BY_SGLANG
+    short_prefill.install_short_prefill_first()
+    target = "sglang.srt.managers.schedule_policy.SchedulePolicy.shortest_prefill_chunk_limit"
+    assert not any(getattr(entry[1], "__module__", "").startswith("histate.")
+                   for entry in HookRegistry._hooks.get(target, ()))
+    assert not hasattr(SchedulePolicy.shortest_prefill_chunk_limit, "__wrapped__")
+    publish_server_args()
+    off = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8))
+    on = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8),
+                     histate_config=resolve_config({"enable": True, "short_prefill_first": True}, {}))
+    assert off.continuing_chunk_limiter() is None and callable(on.continuing_chunk_limiter())

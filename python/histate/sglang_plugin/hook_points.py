@@ -310,6 +310,8 @@ RETIRED_BY_PATCH: dict = {
     "0011-hybrid-pool-host-sizing-policy": {
         ("host_sizing", f"sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler.{name}")
         for name in ("build_kv_host_pool", "build_mamba_host_pool")},
+    "0012-scheduler-cache-chunk-limit": {
+        ("short_prefill", "sglang.srt.managers.schedule_policy.SchedulePolicy.shortest_prefill_chunk_limit")},
 }
 """Which patch of upstream/series retires which hook point, as (owner, target): with that patch applied the
 plugin takes the public path it adds and installs or overrides nothing there (docs/upstream.md). 0001 and

@@ -10,7 +10,9 @@ into SGLang 0.5.23's scheduler at the one place SGLang asks for a cap on a conti
           self.chunked_req, self.waiting_queue, adder.rem_chunk_tokens or 0, self.page_size)
   and `PrefillAdder.add_chunked_req` (schedule_policy.py:1169-1171) takes min(its budget, the limit).
 
-One AROUND hook on `SchedulePolicy.shortest_prefill_chunk_limit` (schedule_policy.py:418-437). With the
+One AROUND hook on `SchedulePolicy.shortest_prefill_chunk_limit` (schedule_policy.py:418-437); under
+upstream/series 0012 none: that method asks the tree cache first (`continuing_chunk_limiter`), and
+HiState's cache answers with the same rule while the flag is on. With the
 flag on and HiState's tree cache, it returns HiState's limit under every `--schedule-policy`: stock
 returns None unless the policy is shortest-prefill-first, so the cap does not depend on it; under
 shortest-prefill-first HiState's bounded cap replaces SGLang's unbounded one, and the queue order stays
@@ -41,6 +43,7 @@ are the matches (the tree is; time comes from the agreed clock).
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any, Iterable, Iterator, Optional
 
 from histate.core import ShortPrefillFirst, Tier, prefill_work_tokens
@@ -105,15 +108,28 @@ def histate_chunk_limit(cache: Any, chunked_req: Any, works: Iterable[float], bu
     return limit
 
 
+def cache_chunk_limit(cache: Any, policy: Any, chunked_req: Any, waiting_queue: list, budget: int,
+                      page_size: int) -> Optional[int]:
+    """HiState's cap for SGLang's `shortest_prefill_chunk_limit` call (its arguments, the cache first)."""
+    return histate_chunk_limit(cache, chunked_req, waiting_work_tokens(policy, cache, waiting_queue), budget,
+                               page_size)
+
+
 def chunk_limit_around(original: Any, policy: Any, chunked_req: Any, waiting_queue: list, budget: int,
                        page_size: int) -> Optional[int]:
     cache = _rule_cache(policy)
     if cache is None:
         return original(policy, chunked_req, waiting_queue, budget, page_size)
-    return histate_chunk_limit(cache, chunked_req, waiting_work_tokens(policy, cache, waiting_queue), budget,
-                               page_size)
+    return cache_chunk_limit(cache, policy, chunked_req, waiting_queue, budget, page_size)
+
+
+LIMITED_BY_SGLANG = hasattr(importlib.import_module("sglang.srt.mem_cache.base_prefix_cache").BasePrefixCache,
+                            "continuing_chunk_limiter")
+"""upstream/series 0012 applied: SGLang asks the tree cache for the cap (`HiStateRadixCache.continuing_chunk_limiter`);
+no hook is installed."""
 
 
 def install_short_prefill_first() -> None:
-    """Register the SchedulePolicy hook (once per process; the scheduler's)."""
-    install_once("short_prefill", [(_TARGET, chunk_limit_around, "AROUND")])
+    """Register the SchedulePolicy hook (once per process; the scheduler's; stock 0.5.23 only)."""
+    if not LIMITED_BY_SGLANG:
+        install_once("short_prefill", [(_TARGET, chunk_limit_around, "AROUND")])

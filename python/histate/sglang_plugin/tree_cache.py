@@ -12,6 +12,7 @@ The cache's observable contract (match/insert/evict/lock, `sanity_check`) is SGL
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -30,6 +31,7 @@ from .host_stack import (current_build_config, histate_build_scope, host_pool_si
 from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics, upstream_cache_series
 from .runtime import HiStateRuntime
+from .short_prefill import cache_chunk_limit
 from .storage_policy import RESTORE_HOLD_BY_SGLANG, STORAGE_POLICY_BY_SGLANG, HiStateStoragePolicy
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import WALK_EVENTS_BY_SGLANG, HiStateTreeObserver, register_tree_core
@@ -120,6 +122,15 @@ class HiStateRadixCache(UnifiedRadixCache):
         self.histate.adopt_agreed_sizes(*(int(v) for v in sizes.tolist()))
 
     # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
+
+    def continuing_chunk_limiter(self) -> Optional[Callable[..., Optional[int]]]:
+        """HiState's bounded short-prefill-first cap with aging (short_prefill.py) while
+        `--histate-short-prefill-first` is on, else SGLang's own; asked by `SchedulePolicy.
+        shortest_prefill_chunk_limit` under upstream/series 0012 (stock 0.5.23 never calls it: short_prefill.py
+        hooks that method with the same rule there)."""
+        if not self.histate.config.short_prefill_first:
+            return None
+        return functools.partial(cache_chunk_limit, self)
 
     def host_pool_sizes(self, kv_pool: Any, state_pool: Any) -> tuple:
         """HiState's host split (host_stack.py: the same budget as SGLang's rule, KV first, a few state
