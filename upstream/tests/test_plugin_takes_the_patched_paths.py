@@ -371,3 +371,24 @@ def test_0012_sglang_asks_histates_cache_for_the_chunk_cap_and_nothing_is_hooked
     on = build_cache("histate", build_pools(kv_tokens=512, mamba_slots=8),
                      histate_config=resolve_config({"enable": True, "short_prefill_first": True}, {}))
     assert off.continuing_chunk_limiter() is None and callable(on.continuing_chunk_limiter())
+
+
+def test_0013_hints_are_validated_and_miss_reasons_declared_through_sglangs_registries():
+    from sglang.srt.managers import tokenizer_manager
+    from sglang.srt.managers.scheduler_components import output_streamer
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from histate.sglang_plugin import checkpoint_hints, miss_tracker
+
+    checkpoint_hints.install()
+    miss_tracker.install_meta_info_hook()
+    for point in hook_points.RETIRED_BY_PATCH["0013-plugins-request-validators-and-info-keys"]:
+        assert not any(getattr(entry[1], "__module__", "").startswith("histate.")
+                       for entry in HookRegistry._hooks.get(point[1], ())), point
+    assert checkpoint_hints.validate_request in tokenizer_manager._REQUEST_VALIDATORS
+    assert miss_tracker.META_INFO_KEY in output_streamer._REQUEST_LEVEL_INFO_KEYS
+    checkpoint_hints.install()  # once per process
+    assert tokenizer_manager._REQUEST_VALIDATORS.count(checkpoint_hints.validate_request) == 1
+    with pytest.raises(ValueError, match="histate_checkpoints"):
+        checkpoint_hints.validate_request(types.SimpleNamespace(
+            sampling_params={"custom_params": {"histate_checkpoints": [5000]}}), list(range(100)))

@@ -72,18 +72,36 @@ def hint_grid_steps(hint_tokens: Sequence[int], grid_tokens: int) -> tuple:
     return tuple(t // grid_tokens for t in hint_tokens)
 
 
-def validate_one_request_after(result: Any, manager: Any, obj: Any, input_ids: Optional[list]) -> None:
-    """AFTER `TokenizerManager._validate_one_request` (after SGLang's own checks and any truncation):
-    refuse bad hints with the ValueError SGLang turns into a 400."""
+def validate_request(obj: Any, input_ids: Optional[list]) -> None:
+    """After SGLang's own checks of a request and any truncation: refuse bad hints with the ValueError
+    SGLang turns into a 400."""
     sampling_params = getattr(obj, "sampling_params", None)
     if isinstance(sampling_params, dict):
         parse_hints(sampling_params.get("custom_params"), len(input_ids) if input_ids is not None else 0)
+
+
+def validate_one_request_after(result: Any, manager: Any, obj: Any, input_ids: Optional[list]) -> None:
+    """AFTER `TokenizerManager._validate_one_request` (stock 0.5.23): `validate_request`."""
+    validate_request(obj, input_ids)
     return None
+
+
+_installed = False
 
 
 def install() -> None:
     """Install the tokenizer-side check in this process (the server's main process, where SGLang's
-    TokenizerManager runs); once per process, fail-closed (hooks.install_once)."""
+    TokenizerManager runs); once per process. Through `register_request_validator` on a SGLang with
+    upstream/series 0013, else a fail-closed AFTER hook (hooks.install_once)."""
+    global _installed
+    from sglang.srt.managers import tokenizer_manager
+
+    register = getattr(tokenizer_manager, "register_request_validator", None)
+    if register is not None:
+        if not _installed:
+            register(validate_request)
+            _installed = True
+        return
     from .hooks import install_once
 
     install_once(_GROUP, [(_TOKENIZER_TARGET, validate_one_request_after, "AFTER")])

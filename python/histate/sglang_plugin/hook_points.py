@@ -312,6 +312,10 @@ RETIRED_BY_PATCH: dict = {
         for name in ("build_kv_host_pool", "build_mamba_host_pool")},
     "0012-scheduler-cache-chunk-limit": {
         ("short_prefill", "sglang.srt.managers.schedule_policy.SchedulePolicy.shortest_prefill_chunk_limit")},
+    "0013-plugins-request-validators-and-info-keys": {
+        ("miss_reasons", "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer."
+                         "is_request_level_customized_info_key"),
+        ("checkpoint_hints", "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request")},
 }
 """Which patch of upstream/series retires which hook point, as (owner, target): with that patch applied the
 plugin takes the public path it adds and installs or overrides nothing there (docs/upstream.md). 0001 and

@@ -183,7 +183,14 @@ def _request_level_around(original: Any, streamer: Any, key: str) -> bool:
 def install_meta_info_hook() -> None:
     """SGLang's customized info is sliced per output token unless its streamer calls the key request-level
     (`SchedulerOutputStreamer.is_request_level_customized_info_key`, output_streamer.py:252): HiState's
-    key is, so the response carries one attribution, sent with the first chunk of a stream."""
+    key is, so the response carries one attribution, sent with the first chunk of a stream. Declared with
+    `register_request_level_info_key` on a SGLang with upstream/series 0013, else an AROUND hook."""
+    from sglang.srt.managers.scheduler_components import output_streamer
+
+    register = getattr(output_streamer, "register_request_level_info_key", None)
+    if register is not None:
+        register(META_INFO_KEY)  # a set: registering twice is once
+        return
     from .hooks import install_once
 
     install_once("miss_reasons", [(_STREAMER_KEY, _request_level_around, "AROUND")])
