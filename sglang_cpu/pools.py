@@ -204,7 +204,7 @@ class Driver:
         positions = checkpoints if checkpoints is not None else plan(reused, len(tokens),
                                                                      result.full_kv_hit_length)
         owned = self.cache.tree_core.collect_full_device_indices(
-            result.last_device_node, self.cache.tree_core.root_node.id) if result.device_prefix_len else \
+            result.last_device_node, self.cache.root_node_handle()) if result.device_prefix_len else \
             torch.empty((0,), dtype=torch.int64)
         owned = owned[:result.device_prefix_len]
         done = []
@@ -223,7 +223,7 @@ class Driver:
             self.cache.unlock(lock)
             lock = self.cache.lock(again.last_device_node)
             owned = self.cache.tree_core.collect_full_device_indices(
-                again.last_device_node, self.cache.tree_core.root_node.id)
+                again.last_device_node, self.cache.root_node_handle())
             done.append(pos)
             self.step()
         self.cache.unlock(lock)
