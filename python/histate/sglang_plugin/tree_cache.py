@@ -121,7 +121,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         self._all_reduce(sizes, torch.distributed.ReduceOp.MAX)
         self.histate.adopt_agreed_sizes(*(int(v) for v in sizes.tolist()))
 
-    # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
+    # --- questions SGLang asks the cache (upstream/series 0011, 0012; stock 0.5.23 asks neither) ---------
 
     def continuing_chunk_limiter(self) -> Optional[Callable[..., Optional[int]]]:
         """HiState's bounded short-prefill-first cap with aging (short_prefill.py) while
@@ -140,6 +140,8 @@ class HiStateRadixCache(UnifiedRadixCache):
         self.histate_host_split = split
         log_split(split)
         return host_pool_sizes(split)
+
+    # --- HiCache attach: bind the SSD tier ---------------------------------------------------------
 
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
