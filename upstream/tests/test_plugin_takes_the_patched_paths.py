@@ -392,3 +392,30 @@ def test_0013_hints_are_validated_and_miss_reasons_declared_through_sglangs_regi
     with pytest.raises(ValueError, match="histate_checkpoints"):
         checkpoint_hints.validate_request(types.SimpleNamespace(
             sampling_params={"custom_params": {"histate_checkpoints": [5000]}}), list(range(100)))
+
+
+def test_0014_the_l3_tier_names_and_reads_objects_through_the_stores_public_helpers(monkeypatch):
+    """HiState's L3 tier over a `MooncakeStore` asks it for its objects (`page_objects`, `pool_objects`,
+    `objects_exist`, `get_objects`) instead of calling its private key and buffer builders; what it finds is
+    what the store wrote."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    from histate.sglang_plugin import l3_tier
+    from test_mooncake_public_objects import mooncake_store_over_host_pools
+
+    ms = mooncake_store_over_host_pools()
+    called = []
+    for name in ("page_objects", "pool_objects", "objects_exist", "get_objects"):
+        method = getattr(ms, name)
+        setattr(ms, name, lambda *a, _n=name, _m=method, **k: called.append(_n) or _m(*a, **k))
+    # the stand-in store copies no bytes, so HiState's digest check is told the reads are whole
+    monkeypatch.setattr(l3_tier.digests, "verify", lambda store, objects, ptrs, sizes, exact, require: (exact, 0, 0))
+    tier = l3_tier.L3Tier(None, store=ms)
+    page = ms.mem_pool_host.page_size
+    ms.batch_set_v1(["p0", "p1"], torch.arange(2 * page, dtype=torch.int64))
+    assert tier.kv_present(["p0", "p1", "p2"]) == [True, True, False]
+    assert tier.get_kv(["p0", "p2"], torch.arange(2 * page, dtype=torch.int64)) == [True, False]
+    ms.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=["s0"], host_indices=torch.tensor([0]))])
+    assert tier.pool_present(["s0", "s1"], PoolName.MAMBA) == [True, False]
+    assert {"page_objects", "pool_objects", "objects_exist", "get_objects"} <= set(called)

@@ -133,6 +133,8 @@ class L3Tier:
                  on_io: Optional[Callable[..., None]] = None, require_digests: bool = False,
                  fleet_budget_bytes: int = 0, num_servers: int = 0) -> None:
         self.store = store if store is not None else open_mooncake_store(storage_config, mem_pool_host)
+        # upstream/series 0014: the store names and reads its own objects (`page_objects` and friends)
+        self._public_objects = hasattr(self.store, "page_objects")
         self.stats = L3Stats()
         self.on_io = on_io  # metrics hook: on_io(read_bytes=..., written_bytes=..., hits=..., misses=...)
         self._written_kv: set = set()
@@ -192,10 +194,15 @@ class L3Tier:
             self._written_state.difference_update(state_keys)
 
     # --- object keys, as MooncakeStore builds them ------------------------------------------------
+    # With upstream/series 0014 the store says so itself (`page_objects`, `pool_objects`, `objects_exist`,
+    # `get_objects`); on stock 0.5.23 its private builders are called the same way its writes call them.
 
     def _kv_objects(self, keys: List[str], host_indices: Optional[torch.Tensor]) -> tuple:
         """(object keys, pointers, sizes, objects per page) of KV pages; pointers only with indices."""
         store = self.store
+        if self._public_objects:
+            objects = store.page_objects(keys, host_indices)
+            return objects.keys, objects.ptrs, objects.sizes, objects.per_page
         tagged = store._tag_keys(keys)
         if host_indices is not None:
             objects, ptrs, sizes = store._batch_preprocess(tagged, host_indices)
@@ -207,6 +214,9 @@ class L3Tier:
 
     def _pool_objects(self, transfer: Any, with_buffers: bool) -> tuple:
         store = self.store
+        if self._public_objects:
+            objects = store.pool_objects(transfer, with_buffers)
+            return objects.keys, objects.ptrs, objects.sizes, objects.per_page
         objects, per_page = store._get_hybrid_page_component_keys(list(transfer.keys), transfer)
         objects = store._tag_keys(objects)
         if not with_buffers:
@@ -226,7 +236,8 @@ class L3Tier:
         if not self.available:
             return [False] * (len(objects) // max(1, per_page))
         try:
-            found = self.store._batch_exist(objects) if objects else []
+            found = (self.store.objects_exist(objects) if self._public_objects else self.store._batch_exist(objects)) \
+                if objects else []
             return self._per_page([r == 1 for r in found], per_page)
         except Exception:
             self._fault(what)
@@ -260,7 +271,8 @@ class L3Tier:
         if not self.available:
             return [False] * (len(objects) // max(1, per_page))
         try:
-            results = list(self.store._get_batch_zero_copy_impl(objects, ptrs, sizes))
+            read = self.store.get_objects if self._public_objects else self.store._get_batch_zero_copy_impl
+            results = list(read(objects, ptrs, sizes))
         except Exception:
             self._fault(what, down=True)
             return [False] * (len(objects) // max(1, per_page))
