@@ -222,10 +222,11 @@ def main() -> None:
 
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
         for ax, (mode, run) in zip(axes, last.items()):
-            for kind, style in (("stock", "--"), ("histate", "-")):
+            for kind, style, label in (("stock", "--", "stock UnifiedRadixCache, Python core"),
+                                       ("stock-rust", ":", "stock UnifiedRadixCache, Rust core (default)"),
+                                       ("histate", "-", "HiStateRadixCache (Python core)")):
                 values = sorted(v / 1e3 for v in run["cost_ns"][kind])
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style,
-                        label="stock UnifiedRadixCache" if kind == "stock" else "HiStateRadixCache")
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style, label=label)
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("cache-operation CPU time per request (µs)")
