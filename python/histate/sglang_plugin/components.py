@@ -95,6 +95,22 @@ class _HiStateWalks:
     def _next_victim(self, tier: Tier) -> Optional[tuple]:
         return _next_victim(self.cache.histate, tier, _TAKES[(self.component_type, tier)])
 
+    def _next_device_victim(self, tracker: dict) -> Optional[tuple]:
+        """The device walk's next victim; None once the walk freed what it was asked for."""
+        if tracker[self.component_type] >= self._hs_request_cnt:
+            return None
+        return self._next_victim(Tier.GPU)
+
+    def _tombstone_state(self, node: Any, layer: Any, tracker: dict, device_frees: dict, host_frees: dict,
+                         cache_actions: list) -> None:
+        """Drop `node`'s state copy on `layer` and keep the node and its KV, with SGLang's own primitives
+        (its MAMBA walks' tombstone of an internal state)."""
+        core = self.tree_core
+        core._evict_component_and_detach_lru(node.sg, self, target=layer, tracker=tracker, device_frees=device_frees,
+                                             host_frees=host_frees, cache_actions=cache_actions)
+        core._cascade_evict(node.sg, self, tracker, device_frees=device_frees, host_frees=host_frees, target=layer,
+                            cache_actions=cache_actions)
+
     def drive_host_eviction(self, num_tokens: int, tracker: dict, device_frees: dict, host_frees: dict,
                             cache_actions: list) -> None:
         """Free `num_tokens` of this component's host pool, lowest eq. 7 score first."""
@@ -110,13 +126,8 @@ class _HiStateWalks:
                 if unit is UnitKind.BUNDLE:
                     core._evict_host_leaf(node.sg, tracker, device_frees, host_frees, cache_actions=cache_actions)
                     continue
-                # A host checkpoint alone: tombstone the host state, keep everything else (as SGLang's
-                # own MAMBA host walk does for an internal node).
-                core._evict_component_and_detach_lru(node.sg, self, target=EvictLayer.HOST, tracker=tracker,
-                                                     device_frees=device_frees, host_frees=host_frees,
-                                                     cache_actions=cache_actions)
-                core._cascade_evict(node.sg, self, tracker, device_frees=device_frees, host_frees=host_frees,
-                                    target=EvictLayer.HOST, cache_actions=cache_actions)
+                # A host checkpoint alone: tombstone the host state, keep everything else.
+                self._tombstone_state(node, EvictLayer.HOST, tracker, device_frees, host_frees, cache_actions)
                 core._update_evictable_leaf_sets(node.sg)
         finally:
             victims.end_walk()
@@ -125,29 +136,21 @@ class _HiStateWalks:
 class _FullWalks(_HiStateWalks):
     def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
                                 cache_actions: list) -> Any:
-        if tracker[self.component_type] >= self._hs_request_cnt:
-            return None
-        victim = self._next_victim(Tier.GPU)
+        victim = self._next_device_victim(tracker)
         return None if victim is None else victim[0].sg.id
 
 
 class _MambaWalks(_HiStateWalks):
     def _evict_device_next_node(self, tracker: dict, device_frees: dict, host_frees: dict,
                                 cache_actions: list) -> Any:
-        if tracker[self.component_type] >= self._hs_request_cnt:
-            return None
-        victim = self._next_victim(Tier.GPU)
+        victim = self._next_device_victim(tracker)
         if victim is None:
             return None
         node, unit = victim
         if unit is UnitKind.BUNDLE:
             return node.sg.id  # SGLang evicts the leaf atomically (KV + terminal checkpoint)
-        # A checkpoint alone: tombstone the device state, with SGLang's own primitives.
-        self.tree_core._evict_component_and_detach_lru(
-            node.sg, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
-            host_frees=host_frees, cache_actions=cache_actions)
-        self.tree_core._cascade_evict(node.sg, self, tracker, device_frees=device_frees,
-                                      host_frees=host_frees, cache_actions=cache_actions)
+        # A checkpoint alone: tombstone the device state.
+        self._tombstone_state(node, EvictLayer.DEVICE, tracker, device_frees, host_frees, cache_actions)
         return None
 
 
