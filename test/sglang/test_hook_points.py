@@ -60,6 +60,43 @@ def _plugin_classes():
     return HiStateRadixCache, HiStateTreeCore, HiStateFullComponent, HiStateMambaComponent
 
 
+_ANSWERS = {  # the methods of the protocols these patches add that HiState's cache answers, once applied
+    "0002-scheduler-prefill-cut-grid": ("prefill_cut_grid", "on_prefill_cut_floored"),
+    "0011-hybrid-pool-host-sizing-policy": ("host_pool_sizes",),
+    "0012-scheduler-cache-chunk-limit": ("continuing_chunk_limiter",),
+}
+
+
+def _applied_patches() -> set:
+    """The upstream/series patches the installed SGLang carries, each as the plugin detects it (on stock 0.5.23
+    none; `make upstream-check` runs these tests on the patched copy)."""
+    from sglang.srt.managers import tokenizer_manager
+
+    from histate.sglang_plugin import components, host_stack, short_prefill, storage_policy, tree_core
+    from histate.sglang_plugin.chunking import upstream_cut_grid
+    from histate.sglang_plugin.cli_hooks import upstream_plugin_args
+
+    detected = {
+        "0002-scheduler-prefill-cut-grid": upstream_cut_grid(),
+        "0003-server-args-plugin-declared-arguments": upstream_plugin_args() is not None,
+        "0005-mem-cache-tree-core-observers": tree_core.OBSERVED_BY_SGLANG,
+        "0006-mem-cache-eviction-ranker": components.RANKED_BY_SGLANG,
+        "0007-mem-cache-insert-split-match-events": tree_core.WALK_EVENTS_BY_SGLANG,
+        "0008-hicache-storage-tier-policy": storage_policy.STORAGE_POLICY_BY_SGLANG,
+        "0009-mem-cache-session-release-events": tree_core.SESSION_EVENTS_BY_SGLANG,
+        "0010-hicache-storage-restore-hold": storage_policy.RESTORE_HOLD_BY_SGLANG,
+        "0011-hybrid-pool-host-sizing-policy": host_stack.SIZED_BY_SGLANG,
+        "0012-scheduler-cache-chunk-limit": short_prefill.LIMITED_BY_SGLANG,
+        "0013-plugins-request-validators-and-info-keys": hasattr(tokenizer_manager, "register_request_validator"),
+    }
+    assert set(detected) == set(hook_points.RETIRED_BY_PATCH)  # every patch that retires a point is detected
+    return {patch for patch, applied in detected.items() if applied}
+
+
+def _retired(applied: set) -> set:
+    return set().union(*(hook_points.RETIRED_BY_PATCH[patch] for patch in applied))
+
+
 def test_every_sglang_method_the_plugin_overrides_is_listed():
     found = set()
     for cls in _plugin_classes():
@@ -71,48 +108,10 @@ def test_every_sglang_method_the_plugin_overrides_is_listed():
             base = next((k for k in cls.__mro__ if k.__module__.startswith("sglang.") and name in vars(k)), None)
             if base is not None:
                 found.add((cls.__name__, f"{base.__module__}.{base.__qualname__}.{name}"))
-    from histate.sglang_plugin.chunking import upstream_cut_grid
-
-    from histate.sglang_plugin.tree_core import OBSERVED_BY_SGLANG
-
-    listed = {(point.owner, point.target) for point in hook_points.OVERRIDES}
-    if OBSERVED_BY_SGLANG:  # upstream/series 0005 applied: the tree core reports changes, nothing overridden
-        listed = {(owner, target) for owner, target in listed if owner != "HiStateTreeCore"
-                  and (owner, target.rsplit(".", 1)[-1]) != ("HiStateFullComponent", "acquire_component_lock")}
-    from histate.sglang_plugin.components import RANKED_BY_SGLANG
-
-    if RANKED_BY_SGLANG:  # 0006 applied: SGLang's walks ask HiStateRanker, no walk method overridden
-        walks = ("._evict_device_start", "._evict_device_next_node", "._evict_device_end", ".drive_host_eviction")
-        listed = {(owner, target) for owner, target in listed
-                  if not (owner in ("HiStateFullComponent", "HiStateMambaComponent") and target.endswith(walks))}
-    from histate.sglang_plugin.tree_core import WALK_EVENTS_BY_SGLANG
-
-    if WALK_EVENTS_BY_SGLANG:  # 0007 applied: inserts, splits and matches come as observer events
-        listed -= hook_points.RETIRED_BY_PATCH["0007-mem-cache-insert-split-match-events"]
-    from histate.sglang_plugin.storage_policy import STORAGE_POLICY_BY_SGLANG
-
-    if STORAGE_POLICY_BY_SGLANG:  # 0008 applied: HiCache's storage path calls HiState's policy
-        listed -= hook_points.RETIRED_BY_PATCH["0008-hicache-storage-tier-policy"]
-    from histate.sglang_plugin.tree_core import SESSION_EVENTS_BY_SGLANG
-
-    if SESSION_EVENTS_BY_SGLANG:  # 0009 applied: session releases come as observer events
-        listed -= hook_points.RETIRED_BY_PATCH["0009-mem-cache-session-release-events"]
-    from histate.sglang_plugin.storage_policy import RESTORE_HOLD_BY_SGLANG
-
-    if RESTORE_HOLD_BY_SGLANG:  # 0010 applied: the restore hold and abort go through the storage policy
-        listed -= hook_points.RETIRED_BY_PATCH["0010-hicache-storage-restore-hold"]
-    if upstream_cut_grid():  # upstream/series 0002 applied: the cache answers SGLang's new protocol
-        listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
-                   for name in ("prefill_cut_grid", "on_prefill_cut_floored")}
-    from histate.sglang_plugin.host_stack import SIZED_BY_SGLANG
-
-    if SIZED_BY_SGLANG:  # 0011 applied: the cache answers SGLang's host-sizing question
-        listed.add(("HiStateRadixCache", "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.host_pool_sizes"))
-    from histate.sglang_plugin.short_prefill import LIMITED_BY_SGLANG
-
-    if LIMITED_BY_SGLANG:  # 0012 applied: the cache answers SGLang's chunk-limit question
-        listed.add(("HiStateRadixCache",
-                    "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.continuing_chunk_limiter"))
+    applied = _applied_patches()
+    listed = {(point.owner, point.target) for point in hook_points.OVERRIDES} - _retired(applied)
+    listed |= {("HiStateRadixCache", f"sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache.{name}")
+               for patch, names in _ANSWERS.items() if patch in applied for name in names}
     assert found == listed
 
 
@@ -130,27 +129,10 @@ def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_
     for install in (install_scheduler_hooks, install_forward_hooks, install_chunk_planning, install_host_policy,
                     install_short_prefill_first, install_meta_info_hook, install_hint_check):
         install()
-    from histate.sglang_plugin.chunking import upstream_cut_grid
-    from histate.sglang_plugin.cli_hooks import upstream_plugin_args
-
     ours = {target for target, entries in HookRegistry._hooks.items()
             if any(getattr(entry[1], "__module__", "").startswith("histate.") for entry in entries)}
-    superseded = {"chunking"} if upstream_cut_grid() else set()  # upstream/series 0002 applied (make upstream-check)
-    if upstream_plugin_args() is not None:  # 0003 applied: the flags are declared to SGLang, not hooked
-        superseded.add("server_args")
-    from histate.sglang_plugin.host_stack import SIZED_BY_SGLANG
-
-    if SIZED_BY_SGLANG:  # 0011 applied: SGLang asks the cache for its host sizes, nothing hooked
-        superseded.add("host_sizing")
-    from histate.sglang_plugin.short_prefill import LIMITED_BY_SGLANG
-
-    if LIMITED_BY_SGLANG:  # 0012 applied: SGLang asks the cache for the chunk cap, nothing hooked
-        superseded.add("short_prefill")
-    from sglang.srt.managers import tokenizer_manager
-
-    if hasattr(tokenizer_manager, "register_request_validator"):  # 0013 applied: registered, not hooked
-        superseded |= {"miss_reasons", "checkpoint_hints"}
-    assert ours == {point.target for point in hook_points.REGISTRY_HOOKS if point.owner not in superseded}
+    retired = {target for _, target in _retired(_applied_patches())}
+    assert ours == {point.target for point in hook_points.REGISTRY_HOOKS} - retired
 
 
 @pytest.fixture

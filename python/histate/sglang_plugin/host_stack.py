@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
+
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -194,8 +195,7 @@ def _stack_strategy_class() -> type:
     return HiStateMambaStackStrategy
 
 
-SIZED_BY_SGLANG = hasattr(importlib.import_module("sglang.srt.mem_cache.base_prefix_cache").BasePrefixCache,
-                          "host_pool_sizes")
+SIZED_BY_SGLANG = hasattr(BasePrefixCache, "host_pool_sizes")
 """upstream/series 0011 applied: SGLang's hybrid Mamba stack asks the cache for its host sizes
 (`HiStateRadixCache.host_pool_sizes`); no stack strategy or builder hook is installed."""
 

@@ -43,8 +43,9 @@ are the matches (the tree is; time comes from the agreed clock).
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Iterable, Iterator, Optional
+
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 
 from histate.core import ShortPrefillFirst, Tier, prefill_work_tokens
 
@@ -123,8 +124,7 @@ def chunk_limit_around(original: Any, policy: Any, chunked_req: Any, waiting_que
     return cache_chunk_limit(cache, policy, chunked_req, waiting_queue, budget, page_size)
 
 
-LIMITED_BY_SGLANG = hasattr(importlib.import_module("sglang.srt.mem_cache.base_prefix_cache").BasePrefixCache,
-                            "continuing_chunk_limiter")
+LIMITED_BY_SGLANG = hasattr(BasePrefixCache, "continuing_chunk_limiter")
 """upstream/series 0012 applied: SGLang asks the tree cache for the cap (`HiStateRadixCache.continuing_chunk_limiter`);
 no hook is installed."""
 
