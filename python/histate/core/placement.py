@@ -39,8 +39,12 @@ class Placement:
         self.write_through = plan.policy.write_through
 
     def checkpoint_home(self, is_terminal: bool) -> Tier:
-        """A terminal checkpoint (or one on a leaf) stays on the GPU with its KV; others go home."""
-        return Tier.GPU if is_terminal else self.plan.historical_tier()
+        """A terminal checkpoint (or one on a leaf) stays on the GPU with its KV; others go home, unless
+        the policy writes no checkpoint down at creation (SGLang's write_back: it stays where the pass
+        left it until the GPU evicts it, `Policy.checkpoint_write_through`)."""
+        if is_terminal or not self.plan.policy.checkpoint_write_through:
+            return Tier.GPU
+        return self.plan.historical_tier()
 
     def copy_down(self, node: Node, kind: ItemKind, now_s: float) -> None:
         """Inclusive offload: copy a new item into every lower tier that can take it."""

@@ -36,6 +36,8 @@ class TierPlan:
         """The tiers a write-through policy copies a new `kind` item into (`Policy.kv_write_through_tiers`:
         HiState writes KV through to the host only; the SSD takes KV the host evicts)."""
         lower = self.lower_tiers(Tier.GPU, kind)
+        if kind is ItemKind.CHECKPOINT and not self.policy.checkpoint_write_through:
+            return []
         wanted = self.policy.kv_write_through_tiers
         return lower if kind is not ItemKind.KV or wanted is None else [t for t in lower if t in wanted]
 

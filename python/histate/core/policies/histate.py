@@ -11,6 +11,8 @@ histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
 histate-sessions   the server under SGLang's --enable-session-radix-cache: units on a live session's path last,
                    on every tier (as sglang_plugin/eviction.py ranks them)
+histate-writeback-server  the plugin under --hicache-write-policy write_back (KV and states reach the host when the
+                   device evicts them, then the SSD)
 histate-exclusive  simulator only: exclusive tiers (KV demoted GPU -> CPU -> SSD on eviction, one copy at a
                    time), the tiering the SGLang plugin does not have (docs/policies.md "Tiering")
 
@@ -145,6 +147,22 @@ class HiStateWriteBack(HiState):
 
     name = "histate-writeback"
     kv_write_through_tiers = ()
+
+
+@register_policy
+class HiStateWriteBackServer(HiStateWriteBack):
+    """What the plugin does under `--enable-histate --hicache-write-policy write_back`: SGLang copies nothing
+    to the host at insert; a node reaches the host when the device evicts it, its KV and states together
+    (`evict_device_leaf` / `backup_node_for_write_back`, unified_tree_core.py:1788-1825,
+    unified_radix_cache.py:1647-1663), and a state reaches the SSD through the storage write-through after
+    that backup's ack (:1805-1818). HiState's MAMBA walk asks for that backup for every device state with no
+    host copy (sglang_plugin/eviction.py `write_back_moves_state`), so a checkpoint evicted from the device
+    moves (device -> host staging slot -> SSD) instead of being dropped. So a checkpoint is not on the SSD
+    at creation, and a historical one keeps its device slot until the device evicts it. Against
+    `histate-writeback` it shows what a state-only device -> SSD path at creation would add."""
+
+    name = "histate-writeback-server"
+    checkpoint_write_through = False
 
 
 @register_policy
