@@ -59,10 +59,11 @@ class _KvTranslator:
 class GdnRig:
     def __init__(self, numerics: str, histate_config: Any, *, mamba_slots: int = 96, kv_tokens: int = 16384,
                  max_reqs: int = 8, clock: Any = None, hicache_ratio: Optional[float] = None,
-                 kv_heads: int = 1, kv_head_dim: int = 4, page: int = PAGE, prefill_kernel: str = "triton"):
+                 kv_heads: int = 1, kv_head_dim: int = 4, page: int = PAGE, prefill_kernel: str = "triton",
+                 write_policy: str = "write_through"):
         """`page`, `prefill_kernel`: the module docstring. `hicache_ratio`: attach SGLang's host tier (host
         pools of that many times the device pools, re-split by HiState) and, when `histate_config` names SSD
-        directories, HiState's SSD tier.
+        directories, HiState's SSD tier; `write_policy`: its --hicache-write-policy.
         `kv_heads` x `kv_head_dim`: the attention KV geometry; only its size matters (no attention layer
         runs), through N_s = checkpoint bytes / KV bytes per token in eq. 3-7."""
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
@@ -87,7 +88,8 @@ class GdnRig:
 
             storage = storage_extra_config(None, histate_config) if histate_config.has_ssd else None
             self.server_args = hicache_server_args(page, self.grid, storage_extra=storage, hicache_ratio=hicache_ratio,
-                                                   mamba_radix_cache_strategy="extra_buffer")
+                                                   mamba_radix_cache_strategy="extra_buffer",
+                                                   hicache_write_policy=write_policy)
         self.runner = ModelRunner(numerics, page_num_tokens=GRID)
         model = self.runner.model
         config = model.config

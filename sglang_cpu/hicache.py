@@ -103,13 +103,14 @@ def _cpu_hicache() -> Iterator[None]:
 
 def hicache_server_args(page_size: int, chunk_tokens: int, *, storage_extra: Optional[dict] = None,
                         hicache_ratio: float = 2.0, **fields: Any) -> Any:
-    """Publish ServerArgs with SGLang's host tier on (`HICACHE_ARGS`) and, with `storage_extra` (a `dynamic`
-    backend extra config, e.g. HiState's), its storage tier."""
+    """Publish ServerArgs with SGLang's host tier on (`HICACHE_ARGS`; `fields` override them, e.g.
+    `hicache_write_policy="write_back"`) and, with `storage_extra` (a `dynamic` backend extra config, e.g.
+    HiState's), its storage tier."""
     storage = {} if storage_extra is None else dict(
         hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(storage_extra),
         hicache_storage_prefetch_policy="wait_complete")
     return publish_server_args(page_size=page_size, chunk_tokens=chunk_tokens,
-                               **{**HICACHE_ARGS, "hicache_ratio": hicache_ratio}, **storage, **fields)
+                               **{**HICACHE_ARGS, "hicache_ratio": hicache_ratio, **storage, **fields})
 
 
 def attach_hicache(cache: Any, pools: Pools, server_args: Any, histate_config: Any = None,

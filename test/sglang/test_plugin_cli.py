@@ -191,7 +191,6 @@ def test_without_the_flag_nothing_changes(sglang_plugins):
         (["--hicache-host-memory-mode", "buffer_only"], "--hicache-host-memory-mode cache: with buffer_only SGLang "
                                                         "keeps no cached data in host DRAM"),
         (["--hicache-storage-backend", "file"], "--hicache-storage-backend"),
-        (["--hicache-write-policy", "write_back"], "--hicache-write-policy"),
         (["--mamba-radix-cache-strategy", "extra_buffer_lazy"], "--mamba-radix-cache-strategy extra_buffer_lazy"),
         (["--radix-eviction-policy", "lfu"], "--radix-eviction-policy lfu: HiState's ranking is the eviction policy"),
         (["--radix-eviction-policy", "slru"], "--radix-eviction-policy slru"),
@@ -209,6 +208,18 @@ def test_tool_wait_with_client_sessions_is_refused_in_one_line(sglang_plugins, c
     line = _cli_error(capsys, ["--enable-histate", "--histate-tool-wait-prefetch", "on", "--enable-session-radix-cache"])
     assert line.startswith("sglang serve: error: --histate-tool-wait-prefetch on cannot be combined with "
                            "--enable-session-radix-cache") and "\n" not in line
+
+
+def test_write_back_with_the_fleet_l3_is_refused_in_one_line(sglang_plugins, capsys, tmp_path):
+    line = _cli_error(capsys, ["--enable-histate", "--histate-ssd-dir", str(tmp_path), "--histate-l3", "mooncake",
+                               "--hicache-write-policy", "write_back"])
+    assert line.startswith("sglang serve: error: --histate-l3 mooncake cannot be combined with "
+                           "--hicache-write-policy write_back") and "\n" not in line
+
+
+def test_write_back_alone_is_accepted(sglang_plugins):
+    sa = _prepare(["--enable-histate", "--hicache-write-policy", "write_back"])
+    assert sa.hicache_write_policy == "write_back" and sa.enable_hierarchical_cache
 
 
 def test_conflicting_extra_config_key_is_rejected(sglang_plugins, capsys, tmp_path):

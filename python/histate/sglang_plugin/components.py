@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from sglang.srt.mem_cache.unified_cache.components.base import ComponentType, EvictLayer, LRURefreshPhase
+from sglang.srt.mem_cache.unified_cache.components.base import (ComponentType, EvictLayer, InternalStateBackup,
+                                                                 LRURefreshPhase)
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import UnifiedTreeCoreInterface
@@ -35,7 +36,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import Unifi
 from histate.core import Tier, UnitKind
 
 from .core_nodes import core_of
-from .eviction import is_bundle, takes_device_state, takes_host_state
+from .eviction import is_bundle, takes_device_state, takes_host_state, write_back_moves_state
 from .tree_core import OBSERVED_BY_SGLANG, SESSION_EVENTS_BY_SGLANG, WALK_EVENTS_BY_SGLANG
 
 
@@ -149,6 +150,11 @@ class _MambaWalks(_HiStateWalks):
         node, unit = victim
         if unit is UnitKind.BUNDLE:
             return node.sg.id  # SGLang evicts the leaf atomically (KV + terminal checkpoint)
+        if write_back_moves_state(self.tree_core, node.sg, unit):
+            # --hicache-write-policy write_back: the state has no host copy yet, so SGLang backs it up
+            # first and tombstones it after the ack (`finish_mamba_state_eviction`), the request its own
+            # walk makes (components/mamba.py:427-437).
+            return InternalStateBackup(node_id=node.sg.id, num_tokens=1)
         # A checkpoint alone: tombstone the device state.
         self._tombstone_state(node, EvictLayer.DEVICE, tracker, device_frees, host_frees, cache_actions)
         return None

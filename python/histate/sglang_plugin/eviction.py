@@ -197,6 +197,26 @@ class TierVictims:
                                          f"{ALL_TIERS[t].name} but is not offered")
 
 
+def write_back_moves_state(tree_core: Any, sg: Any, unit: UnitKind) -> bool:
+    """Whether evicting `unit` of `sg` from the device under `--hicache-write-policy write_back` copies
+    its state to the host first instead of dropping it.
+      BUNDLE      SGLang's leaf eviction backs up a node not backed up yet, its KV and states together, and
+                  demotes it (`evict_device_leaf`, unified_tree_core.py:1788-1825); a backed-up leaf is
+                  demoted as it is, so a state it gained since (no host copy) is dropped.
+      CHECKPOINT  SGLang's own MAMBA walk backs up a state with no host copy only on a node not backed up
+                  (components/mamba.py:427-437). HiState's walk asks for the backup whenever the node's KV
+                  is on the device: its checkpoints are often placed inside a node already backed up (a
+                  split at a planned position), and a checkpoint that left the device with no copy is a
+                  miss the next turn pays. SGLang's backup of such a node copies the state alone (its KV is
+                  on the host already: `_execute_and_commit_kv_backup` skips only a node with nothing left
+                  to copy, unified_radix_cache.py:1695-1699)."""
+    if not (tree_core.enable_hicache and tree_core.is_write_back):
+        return False
+    if sg.component_data[MAMBA].host_value is not None or sg.component_data[FULL].value is None:
+        return False
+    return unit is UnitKind.CHECKPOINT or not sg.backuped
+
+
 def frees_state(node: CoreNode, unit: UnitKind, tier: Tier) -> bool:
     """Whether evicting `unit` from `tier` takes `node`'s checkpoint copy there: a checkpoint unit; a
     device bundle (SGLang's FULL eviction cascades to the state); a host bundle (the node goes); an SSD

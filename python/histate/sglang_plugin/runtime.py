@@ -24,7 +24,7 @@ from histate.core import (MISS_HISTORY_MAX_KEYS, SGLANG_TIER_NAMES, CacheConfig,
 from .checkpoint_hints import hint_grid_steps
 from .config import HiStateConfig
 from .core_nodes import CoreNode, core_of
-from .eviction import TierVictims, frees_state
+from .eviction import TierVictims, frees_state, write_back_moves_state
 from .metrics import HiStateMetrics
 from .miss_tracker import META_INFO_KEY, MISS_ATTR, MissTracker, as_meta_info
 
@@ -271,6 +271,8 @@ class HiStateRuntime:
             self.misses.on_evicted(node, tier, self.state.score(node, unit, 1 << tier))
         if unit is UnitKind.BUNDLE and tier is Tier.GPU:
             self.state.on_kv_left_gpu(node, now_s)
+        if tier is Tier.GPU and write_back_moves_state(self.victims.tree_core, node.sg, unit):
+            return  # write_back: the state is copied to the host before it leaves the device
         if frees_state(node, unit, tier) and not node.ckpt_mask & ~(1 << tier):
             self.state.on_state_gone(node, now_s)
             if self.misses is not None:

@@ -68,9 +68,6 @@ _CONFLICTS: tuple[tuple[Callable[[Any], bool], Any], ...] = (
      "mem_cache/unified_radix_cache.py:1437-1440), while HiState's host tier keeps reusable KV there and "
      "lands SSD-restored checkpoints there. Drop --hicache-host-memory-mode buffer_only (--hicache-size "
      "sets HiState's DRAM budget)."),
-    (lambda r: _flag(r, "hicache_write_policy", "write_through") == "write_back",
-     "--enable-histate needs a write-through host tier (--hicache-write-policy write_through or "
-     "write_through_selective): checkpoints flow device -> host -> SSD as they are created."),
     (lambda r: _flag(r, "mamba_radix_cache_strategy") == "extra_buffer_lazy",
      "--enable-histate does not support --mamba-radix-cache-strategy extra_buffer_lazy yet: its "
      "on-demand track slots are not covered by HiState's checkpoint placement and tests. Use "
@@ -305,6 +302,12 @@ def apply_to_record(record: Any, config: HiStateConfig) -> dict[str, Any]:
             "--histate-tool-wait-prefetch on cannot be combined with --enable-session-radix-cache: both hold a "
             "session's path through its wait (one from the client's sessions, one inferred by prefix) and no "
             "HiState test runs them together; drop one of them")
+    if config.l3 != "off" and _flag(record, "hicache_write_policy", "write_through") == "write_back":
+        raise HiStateConfigError(
+            f"--histate-l3 {config.l3} cannot be combined with --hicache-write-policy write_back: the fleet's L3 "
+            "gets a session's terminal bundle when its backup is queued, which write_back defers until the device "
+            "evicts it, so another server could not resume the session meanwhile, and no HiState test covers it; "
+            "use write_through with --histate-l3")
     changes = implied_settings(record, config)
     for name, value in changes.items():
         setattr(record, name, value)

@@ -1,0 +1,49 @@
+"""HiState in SGLang's server under `--hicache-write-policy write_back` (issue 28, item 1).
+
+With write_back the host holds what the device evicted instead of a mirror of the device (SGLang copies
+nothing at insert; unified_tree_core.py:1108-1109, 1432-1433), which is what a host shorter than the device
+needs. A small device pool (2,048 tokens) and a host twice its size: sixteen 900-token prompts push the
+first ones off the device (KV and states written back to the host, states on to the SSD), then off the
+host (KV written ahead to the SSD). Every answer, and every earlier prompt asked again, extended, must equal
+stock SGLang's cold answer; the probes must reuse a checkpoint from the host or the SSD.
+(The same placement on SGLang's classes, with every state compared to a cold prefill and no state left
+without a copy: test/sglang/test_write_back.py.)
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from .client import assert_exact, metric_sum, tokens
+from .conftest import HISTATE_ARGS
+
+NUM_PROMPTS, PROMPT_NUM_TOKENS = 16, 900
+
+
+@pytest.fixture(scope="module")
+def write_back_args(ssd_root) -> tuple:
+    return HISTATE_ARGS + ("--max-total-tokens", "2048", "--hicache-ratio", "2", "--hicache-write-policy",
+                           "write_back", "--histate-ssd-dir", str(ssd_root / "write_back"))
+
+
+def test_write_back_answers_exactly_and_serves_from_host_and_ssd(servers, fleet, write_back_args):
+    reference = servers.reference
+    (server,) = fleet.get(("write_back", write_back_args))
+    rng = random.Random(21)
+    prompts = [tokens(rng, PROMPT_NUM_TOKENS) for _ in range(NUM_PROMPTS)]
+    for i, prompt in enumerate(prompts):
+        assert_exact(reference, server, f"prompt {i}", prompt)
+        if i == 1 and not metric_sum(server.url, "histate_evictions_total", tier="device"):
+            # nothing left the device yet, so under write_back nothing reached the host or the SSD (under
+            # write_through both prompts' checkpoints would be on the SSD by now)
+            assert metric_sum(server.url, "histate_ssd_written_bytes_total") == 0, "write_back wrote at insert"
+    assert metric_sum(server.url, "histate_evictions_total", tier="device") > 0, "the device never evicted"
+    assert metric_sum(server.url, "histate_ssd_written_bytes_total") > 0, "nothing was written to the SSD"
+    before = {tier: metric_sum(server.url, "histate_prefix_hits_total", tier=tier) for tier in ("host", "ssd")}
+    cached = [assert_exact(reference, server, f"prompt {i} + 100", prompt + [5 + j % 300 for j in range(100)])
+              .cached_tokens for i, prompt in enumerate(prompts[:12])]
+    assert min(cached) >= 512, f"an earlier prompt asked again was not served from the tiers: {cached}"
+    after = {tier: metric_sum(server.url, "histate_prefix_hits_total", tier=tier) for tier in ("host", "ssd")}
+    assert sum(after.values()) > sum(before.values()), f"no checkpoint reused from the host or the SSD: {after}"
+    fleet.stop("write_back")
