@@ -131,14 +131,14 @@ def attach_hicache(cache: Any, pools: Pools, server_args: Any, histate_config: A
 
 def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storage_extra: Optional[dict] = None,
                   write_through_threshold: int = 1, hicache_ratio: float = 2.0, params_fields: Optional[dict] = None,
-                  **histate_kwargs: Any) -> Any:
-    """A `kind` cache ('histate' or 'stock') with SGLang's host tier attached, and with
-    `storage_extra` (a `dynamic` backend extra config, e.g. HiState's) its storage tier too;
-    `params_fields`: further CacheInitParams fields."""
+                  write_policy: str = "write_through", **histate_kwargs: Any) -> Any:
+    """A `kind` cache ('histate' or 'stock') with SGLang's host tier attached (`write_policy`: its
+    --hicache-write-policy), and with `storage_extra` (a `dynamic` backend extra config, e.g. HiState's) its
+    storage tier too; `params_fields`: further CacheInitParams fields."""
     from histate.sglang_plugin.config import resolve_config
 
     server_args = hicache_server_args(pools.page_size, max(16, pools.page_size), storage_extra=storage_extra,
-                                      hicache_ratio=hicache_ratio)
+                                      hicache_ratio=hicache_ratio, hicache_write_policy=write_policy)
     if kind == "histate":
         histate_config = histate_config or resolve_config({"enable": True}, {})
         histate_kwargs["histate_config"] = histate_config

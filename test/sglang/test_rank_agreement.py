@@ -15,6 +15,7 @@ import itertools
 import random
 import threading
 
+import pytest
 import torch
 
 from histate.core import SSD_BIT
@@ -80,11 +81,12 @@ class JitteredClock:
 class Rank:
     """One TP rank: its cache, its driver, and the log of every decision it takes."""
 
-    def __init__(self, rank: int, group: TwoRankGroup, clock_kwargs: dict, ssd_config=None, state_shape=None):
+    def __init__(self, rank: int, group: TwoRankGroup, clock_kwargs: dict, ssd_config=None, state_shape=None,
+                 write_policy: str = "write_through"):
         self.pools = build_pools(kv_tokens=160 * PAGE, mamba_slots=6, max_context=1 << 14, state_shape=state_shape)
         storage = None if ssd_config is None else storage_extra_config(None, ssd_config)
         self.cache = build_hicache("histate", self.pools, histate_config=ssd_config, storage_extra=storage,
-                                   hicache_ratio=1.2, **clock_kwargs)
+                                   hicache_ratio=1.2, write_policy=write_policy, **clock_kwargs)
         self.cache._all_reduce_attn_groups = lambda tensor, op: group.all_reduce(rank, tensor, op)
         self.driver = TieredDriver(self.cache, self.pools)
         self.log: list = []
@@ -208,15 +210,42 @@ def _first_difference(a: list, b: list):
     return None if len(a) == len(b) else (min(len(a), len(b)), "length", (len(a), len(b)))
 
 
-def test_ranks_with_jittered_clocks_take_identical_decisions(sglang_plugins):
+def _reclaim_digest_by_path(monkeypatch) -> None:
+    """Under write_back SGLang checks on every step that the ranks reclaimed the same host duplicates, by a
+    digest of node ids (unified_tree_core.py:2021-2044, unified_radix_cache.py:3442-3465). Node ids come from
+    one counter per process, and these two ranks share a process, so the digest is taken over `_path_id`
+    instead: the same check, by the node's place in the tree."""
+    from sglang.srt.mem_cache.unified_cache import unified_tree_core as core_module
+
+    release = core_module.UnifiedTreeCore._release_full_host_duplicate
+
+    def by_path(self, node, *args, **kwargs):
+        digest = self.write_back_duplicate_reclaim_digest
+        release(self, node, *args, **kwargs)
+        depth, first, last = _path_id(node)
+        self.write_back_duplicate_reclaim_digest = (
+            digest * 1000003 + (depth * 7919 + first) * 7919 + last + 1) & core_module._RECLAIM_DIGEST_MASK
+
+    monkeypatch.setattr(core_module.UnifiedTreeCore, "_release_full_host_duplicate", by_path)
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_ranks_with_jittered_clocks_take_identical_decisions(sglang_plugins, monkeypatch, write_policy):
+    """Also under write_back, where every device eviction backs its node up first (HiState's MAMBA walk
+    asks for the state's backup itself: `eviction.write_back_moves_state`) and SGLang reclaims host
+    duplicates under host pressure."""
     publish_server_args()
+    _reclaim_digest_by_path(monkeypatch)
     group, shared = TwoRankGroup(), {"now_s": 0.0}
-    ranks = [Rank(r, group, {"local_clock": JitteredClock(shared, seed=r)}) for r in (0, 1)]
+    ranks = [Rank(r, group, {"local_clock": JitteredClock(shared, seed=r)}, write_policy=write_policy) for r in (0, 1)]
+    assert ranks[0].cache.is_write_back == (write_policy == "write_back")
     assert _in_lockstep(ranks, group, _serve_stream(ranks, _requests(NUM_REQUESTS), shared)) == []
     assert ranks[0].steps == ranks[1].steps >= MIN_STEPS
     assert _first_difference(ranks[0].log, ranks[1].log) is None
     evicted = {entry[1] for entry in ranks[0].log if entry[0] == "evict"}
     assert evicted == {"GPU", "CPU"}, evicted  # decisions under pressure on both tiers were compared
+    # write_back: host duplicates were reclaimed (SGLang checked their order across the ranks each step)
+    assert bool(ranks[0].cache.tree_core.write_back_duplicate_reclaim_digest) == (write_policy == "write_back")
 
 
 def test_ranks_with_their_own_clocks_diverge(sglang_plugins):
