@@ -238,7 +238,8 @@ OVERRIDES: tuple = (
     HookPoint('sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent._evict_device_next_node',
               'override', 'HiStateMambaComponent', 'srt/mem_cache/unified_cache/components/mamba.py:385',
               ('self', 'tracker', 'device_frees', 'host_frees', 'cache_actions'),
-              "eq. 7 victim heap instead of SGLang's policy heap"),
+              "eq. 7 victim heap instead of SGLang's policy heap; under write_back it asks for the state's host "
+              "backup first, as SGLang's walk does (InternalStateBackup)"),
     HookPoint('sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent._evict_device_start',
               'override', 'HiStateMambaComponent', 'srt/mem_cache/unified_cache/components/mamba.py:373',
               ('self', 'request_cnt'),
