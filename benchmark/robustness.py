@@ -50,15 +50,16 @@ METRICS = ("token_hit_rate", "ttft_p95_s", "ttft_p99_s", "cohort_recovered_fract
 
 def replay_argv(row: str, seed: int, extra: list = ()) -> list:
     """`histate replay` arguments of one (row, seed), without policies or output (benchmark/capacity.py
-    runs them in-process)."""
+    runs them in-process). `extra` comes last, so it can override the row's own flags (a what-if such as
+    `--cpu-gib 1000` on the cpu48 row: argparse keeps the last value)."""
     flags, needs_trace = ROWS[row]
-    argv = ["replay", "--no-plots", "--no-progress", *extra]
+    argv = ["replay", "--no-plots", "--no-progress"]
     if needs_trace:
         argv += ["--trace", str(TRACE)]
     for flag, value in {**BASE, **flags, "--seed": str(seed)}.items():
         if value is not None:
             argv += [flag, value]
-    return argv
+    return argv + list(extra)
 
 
 def command(row: str, seed: int, policies: list, out: Path, extra: list) -> list:
