@@ -30,13 +30,25 @@ def prev_checkpoint_depth(node: Node) -> int:
 
 
 def pages_until_checkpoint(node: Node) -> int:
-    """Pages from the start of `node` to the first checkpoint (or leaf end) below it.
+    """Pages from the start of `node` to the first checkpoint (or leaf end) below it, the longest branch.
 
-    Checkpoint-less interior nodes only arise at branch points, so the recursion is shallow.
+    An explicit stack, not recursion: checkpoint-less interior nodes arise at branch points, and once the
+    checkpoints between them are evicted they chain as deep as the tree (a replay with a 1 TB host on the
+    gpu30 row built one past Python's recursion limit; SGLang's tree, which never merges, is deeper still).
     """
     if node.ckpt_mask or not node.children:
         return len(node.keys)
-    return len(node.keys) + max(pages_until_checkpoint(c) for c in node.children.values())
+    longest = 0
+    stack = [(node, 0)]
+    while stack:
+        current, above = stack.pop()
+        through = above + len(current.keys)
+        if current.ckpt_mask or not current.children:
+            if through > longest:
+                longest = through
+            continue
+        stack.extend((child, through) for child in current.children.values())
+    return longest
 
 
 def is_tier_leaf(node: Node, bit: int) -> bool:
