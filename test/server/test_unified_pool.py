@@ -101,7 +101,11 @@ def test_a_prefix_that_left_the_device_is_loaded_back_from_the_host_exactly(pair
     host_hits, loaded = metric_sum(unified.url, "histate_prefix_hits_total", tier="host"), \
         metric_sum(unified.url, "load_back_tokens_total", pool="kv")
     served = assert_exact(reference, unified, "A + 24", a + tokens(rng, 24))
-    assert served.cached_tokens == len(a), f"A + 24 reused {served.cached_tokens} tokens"
+    # All of A (640) when its terminal state is still on the host; the host's state slots are a few staging
+    # slots the second prompt's backups compete for, ranked by eq. 7 at wall-clock times, so on a loaded
+    # machine that state can go first and A + 24 resumes from A's checkpoint at 512 (seen once in a full
+    # suite run; slower, never wrong). Either way the reuse is a host hit, loaded back, checked below.
+    assert served.cached_tokens in (512, len(a)), f"A + 24 reused {served.cached_tokens} tokens"
     assert metric_sum(unified.url, "histate_prefix_hits_total", tier="host") > host_hits, "the hit was not the host's"
     assert metric_sum(unified.url, "load_back_tokens_total", pool="kv") >= loaded + served.cached_tokens
 
