@@ -236,8 +236,8 @@ class L3Tier:
         if not self.available:
             return [False] * (len(objects) // max(1, per_page))
         try:
-            found = (self.store.objects_exist(objects) if self._public_objects else self.store._batch_exist(objects)) \
-                if objects else []
+            exist = self.store.objects_exist if self._public_objects else self.store._batch_exist
+            found = exist(objects) if objects else []
             return self._per_page([r == 1 for r in found], per_page)
         except Exception:
             self._fault(what)
