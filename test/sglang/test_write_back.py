@@ -18,7 +18,10 @@ every later turn comes back from the host or the SSD. After every request:
     GDN layers to that position (`_ColdStates`: no SGLang code, no pool, no capture);
   * SGLang's `sanity_check` and HiState's H4 (every evictable unit is offered);
 and over the run: no state leaves the device without a host or SSD copy while the host had room, KV and
-states were written back and then served from the host (load-back) and from the SSD (restores).
+states were written back and then served from the host (load-back) and from the SSD (restores). Two
+ways of losing a state are driven: a checkpoint inside a backed-up node (SGLang's MAMBA walk rule; the
+run loses 2 states with it) and a backed-up device leaf that gained its state after the backup (SGLang
+demotes it as it is; 1 state lost without `leaf_state_needs_backup`).
 """
 from __future__ import annotations
 
@@ -35,8 +38,12 @@ def _rig(tmp_path, clock) -> GdnRig:
     from histate.sglang_plugin.config import resolve_config
 
     config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
-                             "ssd_size_bytes": "256MiB", "intervals_tokens": "128,256,512,1024"}, {})
+                             "ssd_size_bytes": "256MiB", "intervals_tokens": "192"}, {})
     # 6,144 device KV tokens and 24 state slots: one session's context (up to ~4,200 tokens) plus a pass.
+    # One interval (192 tokens, three grid steps), so the checkpoints do not depend on eq. 5's pricing:
+    # under write_back it prices a checkpoint by its stay on this small device and plans few (PolicyState).
+    # Off the 128-token grid of the planner's other intervals, so checkpoints land inside nodes already
+    # backed up, on interior nodes and on leaves: both write_back paths that lost states are driven.
     return GdnRig("fp32", config, mamba_slots=24, kv_tokens=6144, hicache_ratio=4.0, clock=lambda: clock[0],
                   kv_heads=4, kv_head_dim=32, write_policy="write_back")
 
@@ -107,9 +114,9 @@ def test_write_back_serves_every_state_exactly_and_loses_none(sglang_plugins, mo
           f"{resumed} resumed, {recorder.load_backs} host load-backs, {restores} SSD restores, "
           f"{len(states.checked)} distinct states compared, max |diff| {states.max_diff:.3g}")
     assert recorder.lost == [], f"states tombstoned with no host or SSD copy: {recorder.lost}"
-    # The stream exercises what it checks (this seeded run: 80 write-back backups, 88 device state
-    # tombstones, 21 requests resumed, 8 host load-backs, 4 SSD restores, 100 distinct states compared).
+    # The stream exercises what it checks (this seeded run: 59 write-back backups, 67 device state
+    # tombstones, 22 requests resumed, 8 host load-backs, 4 SSD restores, 80 distinct states compared).
     assert recorder.write_backs >= 40 and recorder.device_tombstones >= 40
     assert resumed >= 15 and recorder.load_backs >= 4 and restores >= 2
-    assert len(states.checked) >= 80
+    assert len(states.checked) >= 70  # 80
     assert any(core_of(n).ssd_state for n in cache.tree_core._node_arena.values())

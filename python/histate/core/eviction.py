@@ -151,6 +151,7 @@ class Evictor:
             self.observer.on_unit_evicted(node, unit, tier, now_s, self.state.score_terms(node, unit, 1 << tier))
         book = self.book
         bit = 1 << tier
+        had_device_state = tier is Tier.GPU and node.ckpt_mask & GPU_BIT
         takes_kv = unit is UnitKind.BUNDLE or (self.state_evicts_leaf and self._takes_leaf(node, tier))
         book.pin(node)  # cascades below must neither evict nor merge this node
         if takes_kv:
@@ -166,6 +167,8 @@ class Evictor:
             return
         if takes_kv and not node.kv_mask & GPU_BIT:
             self.state.on_kv_left_gpu(node, now_s)  # T_KV: time the KV held the GPU
+        if had_device_state and (not node.ckpt_mask & GPU_BIT or (outcome == "drop" and takes_kv)):
+            self.state.on_state_left_device(node, now_s)  # T_state under write_back
         book.stats.on_eviction(unit, tier, outcome)
         if outcome == "drop" and takes_kv:
             self.remove_node(node, now_s)

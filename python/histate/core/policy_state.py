@@ -28,10 +28,14 @@ class PolicyState:
     (the checkpoint grid), so one PolicyState serves both."""
 
     def __init__(self, policy: Policy, config: CacheConfig, demotion_tier: Optional[dict] = None,
-                 checkpoint_demotion_tier: Optional[dict] = None, node_unit_tokens: Optional[int] = None):
+                 checkpoint_demotion_tier: Optional[dict] = None, node_unit_tokens: Optional[int] = None,
+                 checkpoint_write_through: Optional[bool] = None):
         """`demotion_tier`: tier -> the tier a KV unit evicted from it moves to (None: dropped);
         `checkpoint_demotion_tier` the same for a checkpoint (default: `demotion_tier`). With the
-        config's restore costs they let eq. 7 charge a demotion its transfer (policies opt in)."""
+        config's restore costs they let eq. 7 charge a demotion its transfer (policies opt in).
+        `checkpoint_write_through`: whether a new checkpoint is written down to its home tier at
+        creation (default: the policy's `checkpoint_write_through`; the SGLang plugin passes what
+        `--hicache-write-policy` makes true)."""
         self.policy = policy
         self.config = config
         unit = config.page_num_tokens if node_unit_tokens is None else node_unit_tokens
@@ -41,6 +45,17 @@ class PolicyState:
         self.node_unit_tokens = unit
         self.near_end_stride = config.page_num_tokens // unit  # node units per page
         home = policy.historical_tier if policy.historical_tier in config.capacity_bytes else Tier.GPU
+        if checkpoint_write_through is None:
+            checkpoint_write_through = policy.checkpoint_write_through
+        # Eq. 4's T_state is how long a checkpoint keeps its place in the tier it is placed in. Written
+        # through, that is its home tier (the SSD), and it is sampled when the last copy goes. Under
+        # write_back a checkpoint stays on the device until the device evicts it (placement.
+        # checkpoint_home), so it is priced by that stay, as KV is: sampled when it leaves the device,
+        # with Little's law on the device. Priced by the SSD instead, a large SSD made checkpoints look
+        # free, eq. 5 planned one every grid step, and the device could not hold them.
+        self.states_priced_on_device = not checkpoint_write_through and home is not Tier.GPU
+        if self.states_priced_on_device:
+            home = Tier.GPU
         self.kv_tier, self.state_home_tier = Tier.GPU, home
         self.controller = IntervalController(
             config.checkpoint_token_equiv / config.page_num_tokens, config.supported_intervals_pages,
@@ -216,8 +231,15 @@ class PolicyState:
         self.controller.kv_residence_s.observe(max(0.0, now_s - node.kv_created_s))
 
     def on_state_gone(self, node, now_s: float) -> None:
-        """A checkpoint lost its last copy: one sample of T_state."""
-        self.controller.state_residence_s.observe(max(0.0, now_s - node.ckpt_created_s))
+        """A checkpoint lost its last copy: one sample of T_state (written through)."""
+        if not self.states_priced_on_device:
+            self.controller.state_residence_s.observe(max(0.0, now_s - node.ckpt_created_s))
+
+    def on_state_left_device(self, node, now_s: float) -> None:
+        """A checkpoint's device copy left (moved down or dropped): one sample of T_state under
+        write_back, where the device is where a checkpoint is placed."""
+        if self.states_priced_on_device:
+            self.controller.state_residence_s.observe(max(0.0, now_s - node.ckpt_created_s))
 
     def on_state_residence(self, residence_s: float) -> None:
         """A T_state sample measured by a store (the SSD tier reports the age of what it evicts)."""

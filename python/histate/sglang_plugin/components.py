@@ -54,6 +54,8 @@ def _next_victim(runtime: Any, tier: Tier, takes: Callable) -> Optional[tuple]:
     victim = runtime.victims.next_victim(tier, takes)
     if victim is not None:
         runtime.on_evicted(victim[0], victim[1], tier, runtime.now())
+        if tier is Tier.GPU:
+            runtime.before_device_eviction(*victim)
     return victim
 
 

@@ -199,10 +199,12 @@ class TierVictims:
 
 def write_back_moves_state(tree_core: Any, sg: Any, unit: UnitKind) -> bool:
     """Whether evicting `unit` of `sg` from the device under `--hicache-write-policy write_back` copies
-    its state to the host first instead of dropping it.
+    its state to the host first instead of dropping it: every device state with no host copy, on a node
+    whose KV is on the device.
       BUNDLE      SGLang's leaf eviction backs up a node not backed up yet, its KV and states together, and
-                  demotes it (`evict_device_leaf`, unified_tree_core.py:1788-1825); a backed-up leaf is
-                  demoted as it is, so a state it gained since (no host copy) is dropped.
+                  demotes it (`evict_device_leaf`, unified_tree_core.py:1788-1825). A backed-up leaf it
+                  demotes as it is, so a state the leaf gained since its backup would go with no copy:
+                  HiState backs that state up first (`leaf_state_needs_backup`).
       CHECKPOINT  SGLang's own MAMBA walk backs up a state with no host copy only on a node not backed up
                   (components/mamba.py:427-437). HiState's walk asks for the backup whenever the node's KV
                   is on the device: its checkpoints are often placed inside a node already backed up (a
@@ -212,9 +214,14 @@ def write_back_moves_state(tree_core: Any, sg: Any, unit: UnitKind) -> bool:
                   to copy, unified_radix_cache.py:1695-1699)."""
     if not (tree_core.enable_hicache and tree_core.is_write_back):
         return False
-    if sg.component_data[MAMBA].host_value is not None or sg.component_data[FULL].value is None:
-        return False
-    return unit is UnitKind.CHECKPOINT or not sg.backuped
+    return sg.component_data[MAMBA].host_value is None and sg.component_data[FULL].value is not None \
+        and sg.component_data[MAMBA].value is not None
+
+
+def leaf_state_needs_backup(tree_core: Any, sg: Any, unit: UnitKind) -> bool:
+    """Whether HiState must back up `sg`'s device state before SGLang evicts the bundle: a backed-up
+    leaf whose state has no host copy, under write_back (see `write_back_moves_state`)."""
+    return unit is UnitKind.BUNDLE and sg.backuped and write_back_moves_state(tree_core, sg, unit)
 
 
 def frees_state(node: CoreNode, unit: UnitKind, tier: Tier) -> bool:

@@ -24,7 +24,7 @@ from histate.core import (MISS_HISTORY_MAX_KEYS, SGLANG_TIER_NAMES, CacheConfig,
 from .checkpoint_hints import hint_grid_steps
 from .config import HiStateConfig
 from .core_nodes import CoreNode, core_of
-from .eviction import TierVictims, frees_state, write_back_moves_state
+from .eviction import TierVictims, frees_state, leaf_state_needs_backup, write_back_moves_state
 from .metrics import HiStateMetrics
 from .miss_tracker import META_INFO_KEY, MISS_ATTR, MissTracker, as_meta_info
 
@@ -83,6 +83,10 @@ class HiStateRuntime:
             restore_cost_tokens={Tier.CPU: host_cost, Tier.SSD: ssd_cost},
             tool_wait=config.tool_wait_prefetch == "on")
         self.tiers = {Tier.GPU}
+        # --hicache-write-policy write_back: a checkpoint stays on the device until the device evicts it
+        # (the simulator's `histate-writeback-server`); set when HiCache attaches (`use_write_back`)
+        self.write_back = False
+        self._back_up_state: Optional[Callable[[Any], None]] = None  # sg -> None: a synchronous D->H state backup
         self.state = self._policy_state()
         self.victims = TierVictims(self.state)
         self.ssd_tier: Any = None  # ssd_tier.SsdTier once an SSD backend is attached
@@ -104,7 +108,22 @@ class HiStateRuntime:
         state slots only stage), as the simulator's cache does (`TierPlan`)."""
         plan = TierPlan(self._policy, self.tiers)
         return PolicyState(self._policy, self.core_config, plan.demotion(ItemKind.KV),
-                           plan.demotion(ItemKind.CHECKPOINT), node_unit_tokens=1)
+                           plan.demotion(ItemKind.CHECKPOINT), node_unit_tokens=1,
+                           checkpoint_write_through=False if self.write_back else None)
+
+    def use_write_back(self, write_back: bool, back_up_state: Optional[Callable[[Any], None]] = None) -> None:
+        """HiCache attached with `--hicache-write-policy write_back` (or not): eq. 4 prices a checkpoint by
+        its stay on the device, where write_back keeps it (PolicyState), and `back_up_state(sg)` copies a
+        device state to the host before SGLang demotes a backed-up leaf without it
+        (`eviction.leaf_state_needs_backup`). Called before any request."""
+        self.write_back = write_back
+        self._back_up_state = back_up_state
+        self.state = self.victims.state = self._policy_state()
+
+    def before_device_eviction(self, node: CoreNode, unit: UnitKind) -> None:
+        """`unit` of `node` is the device walk's next victim, about to be evicted by SGLang."""
+        if self._back_up_state is not None and leaf_state_needs_backup(self.victims.tree_core, node.sg, unit):
+            self._back_up_state(node.sg)
 
     def add_tier(self, tier: Tier, capacity_bytes: Optional[int] = None) -> None:
         """A tier exists from now on (attached while SGLang builds the cache, before any request). The
@@ -271,6 +290,8 @@ class HiStateRuntime:
             self.misses.on_evicted(node, tier, self.state.score(node, unit, 1 << tier))
         if unit is UnitKind.BUNDLE and tier is Tier.GPU:
             self.state.on_kv_left_gpu(node, now_s)
+        if tier is Tier.GPU and frees_state(node, unit, tier):
+            self.state.on_state_left_device(node, now_s)  # T_state under write_back
         if tier is Tier.GPU and write_back_moves_state(self.victims.tree_core, node.sg, unit):
             return  # write_back: the state is copied to the host before it leaves the device
         if frees_state(node, unit, tier) and not node.ckpt_mask & ~(1 << tier):

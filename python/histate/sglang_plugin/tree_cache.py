@@ -145,10 +145,24 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
+        self.histate.use_write_back(self.cache_controller.write_policy == "write_back", self._hs_back_up_state)
         self.histate.victims.enable_tier(Tier.CPU)
         self.histate.add_tier(Tier.CPU)
         backend = getattr(self.cache_controller, "storage_backend", None)
         self.attach_ssd(getattr(backend, "_backend", backend))
+
+    def _hs_back_up_state(self, sg: Any) -> None:
+        """Copy `sg`'s device state to the host now (write_back): SGLang demotes a backed-up device leaf as
+        it is (`evict_device_leaf`, unified_tree_core.py:1788-1825), so a state the leaf gained after its
+        backup would go with no copy. The same synchronous backup, with the same host-slot room, as SGLang's
+        MAMBA walk makes before tombstoning an internal state (unified_radix_cache.py:885-890); if the host
+        cannot take it, the state goes as before (a miss later, never a wrong state)."""
+        from sglang.srt.mem_cache.unified_radix_cache import PoolName
+
+        pool = self.host_pool_group.get_pool(PoolName.MAMBA)
+        if pool is not None and pool.available_size() < 1:
+            self.evict_host(1, ComponentType.MAMBA)
+        self.backup_node_for_write_back(sg.id)
 
     def attach_ssd(self, backend: Any) -> None:
         """Use `backend` (a HiStateStorageBackend) as the SSD tier (ssd_tier.py)."""

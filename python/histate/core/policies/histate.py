@@ -158,8 +158,9 @@ class HiStateWriteBackServer(HiStateWriteBack):
     that backup's ack (:1805-1818). HiState's MAMBA walk asks for that backup for every device state with no
     host copy (sglang_plugin/eviction.py `write_back_moves_state`), so a checkpoint evicted from the device
     moves (device -> host staging slot -> SSD) instead of being dropped. So a checkpoint is not on the SSD
-    at creation, and a historical one keeps its device slot until the device evicts it. Against
-    `histate-writeback` it shows what a state-only device -> SSD path at creation would add."""
+    at creation, and a historical one keeps its device slot until the device evicts it, which is also where
+    eq. 4 prices it (PolicyState.states_priced_on_device). Against `histate-writeback` it shows what a
+    state-only device -> SSD path at creation would add."""
 
     name = "histate-writeback-server"
     checkpoint_write_through = False
