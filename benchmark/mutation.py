@@ -9,6 +9,13 @@ seeds and the table reports the median over seeds (with the range) of each stati
 per-seed TTFT change against vllm-disk.
 
     .venv/bin/python benchmark/mutation.py [--rates 0 0.02 0.05 0.1] [--seeds 0 1 2 3 4]
+
+What-ifs, each taking one cause away (docs/results.md, "What the mutation gap is made of"):
+`--free-restores` makes host and SSD links 10^5 GB/s; `--checkpoint-price-scale K` multiplies eq. 4's
+T_KV/T_state by K in every policy's interval controller of this process (K < 1: denser checkpoints), not a
+setting of HiState (no production path reads it); `--chunk-tokens N` is every engine's chunked-prefill
+budget per pass (SGLang's --chunked-prefill-size, vLLM's max_num_batched_tokens; default 8,192, the size
+of one turn's new input here).
 """
 from __future__ import annotations
 
@@ -17,7 +24,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from histate.core import MISS_REASONS
+from histate.core import MISS_REASONS, IntervalController
+from histate.sim.costs import get_hardware
+from histate.sim.engine import EngineConfig
 from histate.sim.metrics import percentile
 from histate.sim.replay import ReplayConfig, replay_policies
 from histate.sim.request import RequestFlag
@@ -54,15 +63,26 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out/mutation"))
     ap.add_argument("--per-seed", action="store_true",
                     help="also print each seed's change and why its mutation requests recompute")
+    ap.add_argument("--free-restores", action="store_true", help="what-if: host and SSD links at 10^5 GB/s")
+    ap.add_argument("--checkpoint-price-scale", type=float, default=None, metavar="K",
+                    help="what-if: eq. 4's T_KV/T_state times K (K < 1: denser checkpoints)")
+    ap.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
+                    help="every engine's prefill budget per pass (default: the engines' 8,192)")
     args = ap.parse_args()
+    engine = EngineConfig() if args.chunk_tokens is None else EngineConfig(token_budget_per_step=args.chunk_tokens)
+    if args.checkpoint_price_scale is not None:
+        _scale_checkpoint_price(args.checkpoint_price_scale)
+    hardware = get_hardware("h100").with_links(h2d_gb_s=1e5, ssd_gb_s=1e5) if args.free_restores else None
     policies = list(dict.fromkeys([*args.policies, "vllm-disk"]))
     rows = []
     for rate in args.rates:
-        per_seed = []
+        per_seed, passes = [], []
         for seed in args.seeds:
             w = mutation_microbenchmark(rate, num_sessions=args.num_sessions, seed=seed)
-            runs = replay_policies(w, policies, ReplayConfig(seed=seed), progress=False)
+            runs = replay_policies(w, policies, ReplayConfig(seed=seed, hardware_spec=hardware, engine=engine), progress=False)
             per_seed.append({p: mutation_stats(runs[p]) for p in policies})
+            if "unlimited" in runs and policies[0] != "unlimited":
+                passes.append(extra_pass_gap(runs[policies[0]], runs["unlimited"], engine.token_budget_per_step))
         stats = {p: {k: statistics.median(s[p][k] for s in per_seed) for k in per_seed[0][p]} for p in policies}
         rows.append((rate, stats))
         base = "vllm-disk"
@@ -85,8 +105,42 @@ def main() -> int:
                     if s[p]["mutation_requests"]:
                         print(f"{'':>24}seed {seed}: {s[p]['mutation_ttft_mean_s'] / s[base]['mutation_ttft_mean_s'] - 1:+.1%}"
                               f" over {s[p]['mutation_requests']} requests; {_reasons_text(s[p])}", flush=True)
+        if passes:
+            n, more, gap_s, more_gap_s = (sum(x[i] for x in passes) for i in range(4))
+            print(f"{'':>24}{policies[0]} against unlimited, all seeds: {more} of {n} mutation requests take more "
+                  f"prefill passes of {engine.token_budget_per_step} tokens; they carry {more_gap_s:.2f} s of the "
+                  f"{gap_s:.2f} s TTFT gap ({more_gap_s / more if more else 0:.3f} s each)", flush=True)
     _plot(rows, args.out, policies)
     return 0
+
+
+def extra_pass_gap(run, ceiling, budget_tokens: int) -> tuple:
+    """(mutation requests, those that need more prefill passes than under `ceiling`, the summed TTFT gap
+    to `ceiling`, the part of it those requests carry). A pass computes at most `budget_tokens` of one
+    request, so a request's first token needs ceil(computed / budget) passes, and each further pass is
+    a scheduler step shared with the other running requests."""
+    ceiling_by_uid = {r.uid: r for r in ceiling.records if r.flags & RequestFlag.MUTATION}
+    n = more = 0
+    gap_s = more_gap_s = 0.0
+    for r in run.records:
+        if not r.flags & RequestFlag.MUTATION:
+            continue
+        c = ceiling_by_uid[r.uid]
+        n += 1
+        gap_s += r.ttft_s - c.ttft_s
+        if -(-(r.input_tokens - r.reused_tokens) // budget_tokens) > -(-(c.input_tokens - c.reused_tokens) // budget_tokens):
+            more += 1
+            more_gap_s += r.ttft_s - c.ttft_s
+    return n, more, gap_s, more_gap_s
+
+
+def _scale_checkpoint_price(scale: float) -> None:
+    """What-if only: every IntervalController of this benchmark process prices a checkpoint `scale` times
+    what eq. 4 says, to ask how much denser checkpoints would buy the mutation requests."""
+    if not scale > 0:
+        raise SystemExit(f"--checkpoint-price-scale: {scale} is not > 0")
+    measured = IntervalController.pressure_ratio
+    IntervalController.pressure_ratio = lambda self, now_s=None: scale * measured(self, now_s)
 
 
 def _plot(rows, out: Path, policies) -> None:
