@@ -34,7 +34,7 @@ from .runtime import HiStateRuntime
 from .short_prefill import cache_chunk_limit
 from .storage_policy import RESTORE_HOLD_BY_SGLANG, STORAGE_POLICY_BY_SGLANG, HiStateStoragePolicy
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
-from .tree_core import WALK_EVENTS_BY_SGLANG, HiStateTreeObserver, register_tree_core
+from .tree_core import LEAF_STATE_BACKUP_BY_SGLANG, WALK_EVENTS_BY_SGLANG, HiStateTreeObserver, register_tree_core
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +145,17 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
-        self.histate.use_write_back(self.cache_controller.write_policy == "write_back", self._hs_back_up_state)
+        self.histate.use_write_back(self.cache_controller.write_policy == "write_back",
+                                    None if LEAF_STATE_BACKUP_BY_SGLANG else self._hs_back_up_state)
         self.histate.victims.enable_tier(Tier.CPU)
         self.histate.add_tier(Tier.CPU)
         backend = getattr(self.cache_controller, "storage_backend", None)
         self.attach_ssd(getattr(backend, "_backend", backend))
 
     def _hs_back_up_state(self, sg: Any) -> None:
-        """Copy `sg`'s device state to the host now (write_back): SGLang demotes a backed-up device leaf as
-        it is (`evict_device_leaf`, unified_tree_core.py:1788-1825), so a state the leaf gained after its
-        backup would go with no copy. The same synchronous backup, with the same host-slot room, as SGLang's
+        """Copy `sg`'s device state to the host now (write_back): SGLang 0.5.23 demotes a backed-up device
+        leaf as it is (`evict_device_leaf`, unified_tree_core.py:1788-1825; upstream/series 0016 backs the
+        state up itself), so a state the leaf gained after its backup would go with no copy. The same synchronous backup, with the same host-slot room, as SGLang's
         MAMBA walk makes before tombstoning an internal state (unified_radix_cache.py:885-890); if the host
         cannot take it, the state goes as before (a miss later, never a wrong state)."""
         from sglang.srt.mem_cache.unified_radix_cache import PoolName

@@ -50,6 +50,10 @@ SESSION_EVENTS_BY_SGLANG = hasattr(getattr(unified_tree_core_interface, "TreeCor
 """upstream/series 0009 applied: FULL's and MAMBA's session-coverage walks report a released node (no
 session override here)."""
 
+LEAF_STATE_BACKUP_BY_SGLANG = hasattr(UnifiedTreeCore, "_holds_state_host_lacks")
+"""upstream/series 0016 applied: under write_back SGLang backs up a backed-up device leaf's state the host
+lacks before it demotes the leaf (no backup asked by HiState's walks here: `HiStateRuntime.use_write_back`)."""
+
 
 class HiStateTreeObserver:
     """The victim heaps' and the SSD tier's change feed (the methods of SGLang's `TreeCoreObserver`)."""
