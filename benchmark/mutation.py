@@ -20,6 +20,7 @@ of one turn's new input here).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -74,7 +75,7 @@ def main() -> int:
         _scale_checkpoint_price(args.checkpoint_price_scale)
     hardware = get_hardware("h100").with_links(h2d_gb_s=1e5, ssd_gb_s=1e5) if args.free_restores else None
     policies = list(dict.fromkeys([*args.policies, "vllm-disk"]))
-    rows = []
+    rows, summary = [], {"command": sys.argv[1:], "rates": {}}
     for rate in args.rates:
         per_seed, passes = [], []
         for seed in args.seeds:
@@ -92,6 +93,10 @@ def main() -> int:
             changes = [s[p]["mutation_ttft_mean_s"] / s[base]["mutation_ttft_mean_s"] - 1 for s in per_seed
                        if s[p]["mutation_requests"]]
             h, d = stats[p], stats[base]
+            summary["rates"].setdefault(f"{rate:g}", {})[p] = {
+                "change_median": statistics.median(changes) if changes else None,
+                "change_min": min(changes, default=None), "change_max": max(changes, default=None),
+                **{k: h[k] for k in ("mutation_ttft_mean_s", "mutation_hit_rate", "p99_ttft_s")}}
             span = f"[{min(changes):+.1%} .. {max(changes):+.1%}]" if changes else ""
             print(f"rate {rate:>5.0%} {p:>16}: mutation requests (median) {h['mutation_requests']:>4.0f}; mean TTFT "
                   f"{h['mutation_ttft_mean_s']:.3f}s vs vllm-disk {d['mutation_ttft_mean_s']:.3f}s; change "
@@ -110,7 +115,11 @@ def main() -> int:
             print(f"{'':>24}{policies[0]} against unlimited, all seeds: {more} of {n} mutation requests take more "
                   f"prefill passes of {engine.token_budget_per_step} tokens; they carry {more_gap_s:.2f} s of the "
                   f"{gap_s:.2f} s TTFT gap ({more_gap_s / more if more else 0:.3f} s each)", flush=True)
+            summary["rates"][f"{rate:g}"]["extra_passes"] = {"requests": n, "more_passes": more, "gap_s": gap_s,
+                                                             "more_passes_gap_s": more_gap_s}
     _plot(rows, args.out, policies)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {args.out / 'summary.json'}")
     return 0
 
 

@@ -69,6 +69,10 @@ def _plans(policy: str, ssd_pages: int) -> list:
             positions = cache.plan_checkpoints(lease)
             plans.append(tuple(positions))
             cache.finish_request(lease, None, now_s, positions)
+    if policy == "histate-writeback-server":
+        # the device evicted checkpoints, and each exit was a T_state sample (none is gone: the host holds them)
+        assert cache.state.controller.state_residence_s.value is not None
+        assert cache.stats.num_checkpoint_failures == 0
     return plans
 
 
