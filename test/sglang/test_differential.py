@@ -20,7 +20,9 @@ After every request both hold the same thing:
 The same stream runs a third time under `--hicache-write-policy write_back` against the simulator's
 `histate-writeback-server`: with no eviction nothing leaves the device in either (no host copy, no SSD
 copy, no homing), and positions, reuse, misses and states agree as above. Under eviction the placement is
-checked on the plugin's side alone (test_write_back.py: every state exact, none left without a copy).
+checked on the plugin's side alone (test_write_back.py: every state exact, none left without a copy;
+test_write_back_host_pressure.py: SGLang's host-duplicate reclaim, the rule the simulator keeps in
+`Evictor.reclaim_host_duplicates`, test/core/test_host_duplicates.py).
 And the plugin's states are the right ones: every checkpoint with a device copy on the request's path,
 looked at after each insert (before the next scheduler step can home a historical one to SSD) and after
 the prompt, equals in both its conv window and its recurrent state, bit for bit (float32, the same

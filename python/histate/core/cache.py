@@ -185,8 +185,7 @@ class HybridPrefixCache:
             # the node the request pins and refreshes); the unmatched rest keeps its own access time
             # and stays evictable. Refreshing the whole node would make the rest look recently used
             # (found by the plugin/simulator differential test: the learned priors diverged).
-            path.append(self.tree.split(partial, result.num_kv_pages - partial.start_pages, now_s))
-            self.evictor.touch(partial)
+            path.append(self._split(partial, result.num_kv_pages - partial.start_pages, now_s))
             partial = None
         lock_node = partial if partial is not None else (path[-1] if path else None)
         self._lock(lock_node, +1)
@@ -195,11 +194,17 @@ class HybridPrefixCache:
         self.state.observe_match(result.num_kv_pages, result.end_offset_pages)
         chain = self.state.on_resume(path[-1] if path else None, now_s, self.sessions)
         self.stats.on_match(result, len(keys))
+        loaded_back = []
         for node in path:
             if node.depth_pages > result.num_reused_pages:
                 break
             if not node.kv_mask & GPU_BIT:
-                self.stats.bytes_promoted += self.placement.promote_kv(node, now_s)
+                promoted = self.placement.promote_kv(node, now_s)
+                self.stats.bytes_promoted += promoted
+                if promoted:
+                    loaded_back.append(node)
+        for node in reversed(loaded_back):  # SGLang's load-back ack registers them from the anchor up
+            self.evictor.note_duplicate(node)
         return RequestLease(keys, result, lock_node, now_s, hint_pages=tuple(hint_pages), chain=chain)
 
     def plan_checkpoints(self, lease: RequestLease, num_pages: Optional[int] = None,
@@ -404,9 +409,7 @@ class HybridPrefixCache:
         evictor = self.evictor
         path, pos, partial = self.tree.walk(keys)
         if partial is not None:
-            head = self.tree.split(partial, pos - partial.start_pages, now_s)
-            evictor.touch(partial)
-            path.append(head)
+            path.append(self._split(partial, pos - partial.start_pages, now_s))
         if not self.policy.refresh_matched_only:
             for node in path:
                 node.kv_access_s = now_s
@@ -449,9 +452,16 @@ class HybridPrefixCache:
         node = path[i]
         if node.depth_pages == depth:
             return node
-        head = self.tree.split(node, depth - node.start_pages, now_s)
-        self.evictor.touch(node)
+        head = self._split(node, depth - node.start_pages, now_s)
         path.insert(i, head)
+        return head
+
+    def _split(self, node: Node, num_pages: int, now_s: float) -> Node:
+        """Split `node` after its first `num_pages`; returns the new upper node (a host duplicate if
+        `node` is one, registered as SGLang registers a split's new fragment)."""
+        head = self.tree.split(node, num_pages, now_s)
+        self.evictor.touch(node)
+        self.evictor.note_duplicate(head)
         return head
 
     def _add_checkpoint(self, node: Node, now_s: float, is_terminal: bool) -> int:

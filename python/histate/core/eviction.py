@@ -21,7 +21,16 @@ so only changes that can *lower* a score need a re-offer:
     so their entries stay valid lower bounds and are re-scored when they reach the top.
 New checkpoints lower their neighbours' costs; `touch_checkpoint_neighbourhood` re-offers them.
 
-Two policy-selected mechanisms (docs/policies.md):
+Host duplicates (`Policy.host_reclaims_duplicates`, SGLang's write_back): a KV segment loaded back from
+the host keeps its host copy while the device holds it, though the device will write it back when it
+evicts it. SGLang frees those copies first when the host pool is short (`drive_host_eviction` ->
+`_reclaim_full_host_duplicates`, unified_tree_core.py:1941-2035 in 0.5.23: in the order the duplicates
+appeared, sparing evictable device leaves, whose demotion is imminent, in a first pass), before its own
+or HiState's ranked walk of the host runs. The plugin runs under that path, so the simulator keeps the
+same rule (`reclaim_host_duplicates`) rather than eq. 7's, which prices a host copy as if it were the
+only one.
+
+Policy-selected mechanisms (docs/policies.md):
   * `state_evicts_leaf`: under a static split, a state evicted from a tier leaf takes the leaf's KV
     copy in that tier with it (SGLang's mamba LRU evicts a device leaf whole,
     unified_cache/components/mamba.py:415-421);
@@ -39,6 +48,7 @@ from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
 from .units import checkpoint_neighbours, checkpoints_above_removed_leaf, is_tier_leaf, units_of
 from .victims import DeferredReoffers, VictimHeap, reoffer
 
+_GPU_CPU = GPU_BIT | 1 << Tier.CPU
 _COMPACT_FACTOR = 4  # rebuild the heaps once stale entries outnumber live ones this many times
 
 
@@ -58,6 +68,10 @@ class Evictor:
         self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
         self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
         self._deferred = DeferredReoffers()  # re-ranks that wait for the end of the make_room pass
+        # host copies of device-held KV, in the order they appeared (SGLang's `full_host_duplicates`);
+        # None unless the policy reclaims them first. Entries are dropped lazily, as SGLang's are.
+        self.host_duplicates: dict | None = {} if policy.host_reclaims_duplicates else None
+        self._host_kv_pool = ledger.pool_of(Tier.CPU, ItemKind.KV) if ledger.has_tier(Tier.CPU) else None
         self._heap_of = {  # (unit kind, tier index) -> the heap of the pool that unit frees
             (unit, int(t)): self.heaps[ledger.pool_of(t, ItemKind.KV if unit is UnitKind.BUNDLE else ItemKind.CHECKPOINT)]
             for unit in UnitKind for t in ALL_TIERS if ledger.has_tier(t)}
@@ -98,6 +112,8 @@ class Evictor:
         ledger = self.book.ledger
         if not ledger.fits_ever(pool, size_bytes):
             return False
+        if pool == self._host_kv_pool and self.host_duplicates is not None:
+            self.reclaim_host_duplicates(size_bytes)
         self._deferred.depth += 1
         try:
             while ledger.free_bytes(pool) < size_bytes:
@@ -108,6 +124,33 @@ class Evictor:
             self._deferred.depth -= 1
             if not self._deferred.depth:
                 self._flush_deferred()
+
+    def note_duplicate(self, node: Node) -> None:
+        """`node`'s KV may have just become a host duplicate (a load-back that kept the host copy)."""
+        if self.host_duplicates is not None and node.kv_mask & _GPU_CPU == _GPU_CPU:
+            self.host_duplicates.setdefault(id(node), node)
+
+    def reclaim_host_duplicates(self, size_bytes: int) -> None:
+        """Free host copies of KV the device holds until the host KV pool has `size_bytes` free: SGLang's
+        write_back reclaim (module docstring), oldest duplicate first, device leaves (next to be demoted,
+        which would copy them back) only in a second pass. Touches no access time."""
+        duplicates, ledger, pool = self.host_duplicates, self.book.ledger, self._host_kv_pool
+        if not duplicates or ledger.free_bytes(pool) >= size_bytes:
+            return
+        for spare_device_leaves in (True, False):
+            for key, node in list(duplicates.items()):
+                if ledger.free_bytes(pool) >= size_bytes:
+                    return
+                if not node.is_alive or node.kv_mask & _GPU_CPU != _GPU_CPU:
+                    del duplicates[key]  # stale
+                    continue
+                if spare_device_leaves and not node.lock_count and is_tier_leaf(node, GPU_BIT):
+                    continue
+                del duplicates[key]
+                self.book.drop(node, ItemKind.KV, Tier.CPU)
+                self.book.stats.on_eviction(UnitKind.BUNDLE, Tier.CPU, "reclaim")
+                self.touch(node)
+                self.touch(node.parent)  # may be a host tier leaf now
 
     def _rank(self, node: Node, unit: UnitKind, tier_index: int):
         if node.lock_count:

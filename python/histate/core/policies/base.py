@@ -45,6 +45,7 @@ class Policy:
     checkpoint_tiers: Optional[tuple] = None  # tiers a checkpoint may occupy (None: `tiers`)
     kv_write_through_tiers: Optional[tuple] = None  # write-through: tiers new KV is copied to (None: all below)
     checkpoint_write_through = True  # write-through: a new checkpoint is copied down at creation (else on eviction)
+    host_reclaims_duplicates = False  # host pressure frees host copies of device-held KV first (SGLang write_back)
     historical_tier: Optional[Tier] = None  # tier for non-terminal checkpoints at creation
     refresh_all = False  # on a checkpoint hit, refresh every checkpoint above it on the path
     refresh_matched_only = False  # a hit (and an insert) refreshes only the matched node (Marconi)

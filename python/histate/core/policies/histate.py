@@ -141,12 +141,14 @@ class HiStateExclusive(HiState):
 @register_policy
 class HiStateWriteBack(HiState):
     """SGLang's `--hicache-write-policy write_back` under HiState's tiers: device KV reaches the host only
-    when the device evicts it (a host hit is copied back, the host copy stays), the SSD is the host's
-    victim tier, checkpoints are written through to the SSD as in `histate`. The plugin refuses
-    write_back today, so this exists in the simulator only, to measure what supporting it would buy."""
+    when the device evicts it, the SSD is the host's victim tier, checkpoints are written through to the
+    SSD as in `histate`. A host hit is copied back and the host copy stays until the host runs short, when
+    SGLang frees such copies before any other (`Evictor.reclaim_host_duplicates`). Against
+    `histate-writeback-server` it shows what writing a checkpoint to the SSD at creation would add."""
 
     name = "histate-writeback"
     kv_write_through_tiers = ()
+    host_reclaims_duplicates = True  # `Evictor.reclaim_host_duplicates`: SGLang's write_back host pressure path
 
 
 @register_policy
