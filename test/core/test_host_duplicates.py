@@ -74,15 +74,22 @@ def test_without_the_reclaim_eq7_sends_a_sole_copy_to_the_ssd_instead():
     assert ("bundle", "CPU", "reclaim") not in cache.stats.evictions
 
 
-def _two_duplicates(lock_leaf: bool):
-    """x = [0, 4) -> [4, 8) on the device, both copied to an 8-page host by hand and registered leaf first
-    (SGLang's load-back ack walks from the anchor up): the leaf is the older duplicate."""
-    policy = make_policy("histate-writeback-server")
-    cache = HybridPrefixCache(tiny_config(40, 8, 100), policy)
+def _x_on_the_device():
+    """`histate-writeback-server` with a 40-page device and an 8-page host holding x = [0, 4) -> [4, 8) on
+    the device alone. Returns (cache, inner node, leaf)."""
+    cache = HybridPrefixCache(tiny_config(40, 8, 100), make_policy("histate-writeback-server"))
     serve(cache, _keys("x", 4), 1.0, [4])
     serve(cache, _keys("x", 8), 2.0, [8])
     path, _, _ = cache.tree.walk(_keys("x", 8))
     inner, leaf = path
+    assert inner.kv_mask == leaf.kv_mask == GPU_BIT
+    return cache, inner, leaf
+
+
+def _two_duplicates(lock_leaf: bool):
+    """x both copied to the host by hand and registered leaf first (SGLang's load-back ack walks from the
+    anchor up): the leaf is the older duplicate."""
+    cache, inner, leaf = _x_on_the_device()
     for node in (leaf, inner):
         cache.book.put(node, ItemKind.KV, Tier.CPU, "copy", Tier.GPU)
         cache.evictor.note_duplicate(node)
@@ -121,17 +128,12 @@ def test_write_through_policies_keep_eq7_alone():
 def test_one_load_back_registers_its_nodes_from_the_anchor_up():
     """SGLang's load-back ack registers the loaded nodes from the request's anchor up to the root
     (`finish_load_back`, unified_tree_core.py:2735-2751), so within one load-back the deepest is oldest."""
-    policy = make_policy("histate-writeback-server")
-    cache = HybridPrefixCache(tiny_config(40, 8, 100), policy)
-    serve(cache, _keys("x", 4), 1.0, [4])
-    serve(cache, _keys("x", 8), 2.0, [8])
-    path, _, _ = cache.tree.walk(_keys("x", 8))
-    for node in reversed(path):  # written back by hand, leaf first: both on the host alone
+    cache, inner, leaf = _x_on_the_device()
+    for node in (leaf, inner):  # written back by hand, leaf first: both on the host alone
         cache.book.move(node, ItemKind.KV, Tier.GPU, Tier.CPU)
         cache.evictor.touch(node)
     lease = cache.begin_request(_keys("x", 8), 3.0)  # loads both back; the request holds them
     assert lease.match.num_reused_pages == 8
-    inner, leaf = path
     assert inner.kv_mask == leaf.kv_mask == GPU_BIT | CPU_BIT
     pool = cache.ledger.pool_of(Tier.CPU, ItemKind.KV)
     assert cache.evictor.make_room(pool, 4 * KV_PAGE_BYTES, 3.0)

@@ -34,7 +34,7 @@ from sglang_cpu import gdn_kernels
 from sglang_cpu.gdn_rig import GRID, GdnRig
 
 
-def _rig(tmp_path, clock) -> GdnRig:
+def _rig(tmp_path, clock, hicache_ratio: float = 4.0) -> GdnRig:
     from histate.sglang_plugin.config import resolve_config
 
     config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
@@ -44,8 +44,24 @@ def _rig(tmp_path, clock) -> GdnRig:
     # under write_back it prices a checkpoint by its stay on this small device and plans few (PolicyState).
     # Off the 128-token grid of the planner's other intervals, so checkpoints land inside nodes already
     # backed up, on interior nodes and on leaves: both write_back paths that lost states are driven.
-    return GdnRig("fp32", config, mamba_slots=24, kv_tokens=6144, hicache_ratio=4.0, clock=lambda: clock[0],
+    return GdnRig("fp32", config, mamba_slots=24, kv_tokens=6144, hicache_ratio=hicache_ratio, clock=lambda: clock[0],
                   kv_heads=4, kv_head_dim=32, write_policy="write_back")
+
+
+def serve_checked(rig: GdnRig, name: str, tokens, states: _ColdStates):
+    """Serve one request on the rig and check it: every state it planned and the one it resumed from
+    equal a cold prefill, SGLang's `sanity_check` and HiState's H4 hold. Returns the request."""
+    cache = rig.cache
+    req = rig.request(name, tokens)
+    seen: set = set()
+    _plugin_serve(rig, req, lambda: states.check(req.rid, tokens, seen))
+    rig.forget(req.rid)
+    assert set(req._hs_plan) <= seen, (name, sorted(set(req._hs_plan) - seen))
+    if req._hs_admitted[0]:
+        assert req._hs_admitted[0] in seen, (name, req._hs_admitted)
+    cache.sanity_check()
+    cache.histate.victims.check_offered()
+    return req
 
 
 class _Recorder:
@@ -94,21 +110,12 @@ def test_write_back_serves_every_state_exactly_and_loses_none(sglang_plugins, mo
     resumed = 0
     for i, request in enumerate(_stream(TRACE)):
         clock[0] = float(i)
-        tokens = tokens_of(request)
-        req = rig.request(f"r{i}", tokens)
-        seen: set = set()
-        _plugin_serve(rig, req, lambda: states.check(req.rid, tokens, seen))
-        rig.forget(req.rid)
+        req = serve_checked(rig, f"r{i}", tokens_of(request), states)
         if i == 0:
             # write_back: the insert copied nothing to the host, so nothing reached the SSD either
             assert recorder.write_backs == 0 and not store.keys()
             assert not any(n.backuped for n in cache.tree_core._node_arena.values())
-        assert set(req._hs_plan) <= seen, (i, sorted(set(req._hs_plan) - seen))
-        if req._hs_admitted[0]:
-            assert req._hs_admitted[0] in seen, (i, req._hs_admitted)
-            resumed += 1
-        cache.sanity_check()
-        cache.histate.victims.check_offered()
+        resumed += bool(req._hs_admitted[0])
     restores = cache.histate.metrics.totals.get(("ssd_restores_total", "ok"), 0)
     print(f"write_back: {recorder.write_backs} backups, {recorder.device_tombstones} device state tombstones, "
           f"{resumed} resumed, {recorder.load_backs} host load-backs, {restores} SSD restores, "

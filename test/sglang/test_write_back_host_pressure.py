@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from histate.sglang_plugin.core_nodes import FULL
 
-from .test_differential import TRACE, _ColdStates, _plugin_serve, _stream, _Tokens
-from .test_write_back import _Recorder
+from .test_differential import TRACE, _ColdStates, _stream, _Tokens
+from .test_write_back import _Recorder, _rig, serve_checked
 from sglang_cpu import gdn_kernels
-from sglang_cpu.gdn_rig import GdnRig
 
 
 class _HostEvictions:
@@ -71,32 +70,18 @@ class _HostEvictions:
 
 
 def test_write_back_host_pressure_reclaims_duplicates_before_sole_copies(sglang_plugins, monkeypatch, tmp_path):
-    from histate.sglang_plugin.config import resolve_config
-
     gdn_kernels.install(monkeypatch)
     clock = [0.0]
-    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
-                             "ssd_size_bytes": "256MiB", "intervals_tokens": "192"}, {})
     # test_write_back.py's rig with a host pool 0.6x the device's 6,144 KV tokens (at 1x the host never
     # needs a sole copy's room: 8 duplicates reclaimed, no sole copy evicted, the ordering untested)
-    rig = GdnRig("fp32", config, mamba_slots=24, kv_tokens=6144, hicache_ratio=0.6, clock=lambda: clock[0],
-                 kv_heads=4, kv_head_dim=32, write_policy="write_back")
+    rig = _rig(tmp_path, clock, hicache_ratio=0.6)
     cache = rig.cache
     host_evictions = _HostEvictions(monkeypatch, cache.tree_core)
     recorder = _Recorder(cache)
     tokens_of, states = _Tokens(), _ColdStates(rig)
     for i, request in enumerate(_stream(TRACE)):
         clock[0] = float(i)
-        tokens = tokens_of(request)
-        req = rig.request(f"r{i}", tokens)
-        seen: set = set()
-        _plugin_serve(rig, req, lambda: states.check(req.rid, tokens, seen))
-        rig.forget(req.rid)
-        assert set(req._hs_plan) <= seen, (i, sorted(set(req._hs_plan) - seen))
-        if req._hs_admitted[0]:
-            assert req._hs_admitted[0] in seen, (i, req._hs_admitted)
-        cache.sanity_check()
-        cache.histate.victims.check_offered()
+        serve_checked(rig, f"r{i}", tokens_of(request), states)
     freed = [event for call in host_evictions.calls for event in call]
     print(f"write_back, host 0.6x the device: {len(host_evictions.calls)} host evictions, "
           f"{sum(k == 'duplicate' for k, _ in freed)} duplicates reclaimed, "

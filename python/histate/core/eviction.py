@@ -44,11 +44,11 @@ from .items import ItemBook
 from .tier_plan import TierPlan
 from .policy_state import PolicyState
 from .tree import Node, RadixTree
-from .types import ALL_TIERS, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
+from .types import ALL_TIERS, CPU_BIT, GPU_BIT, HiStateError, ItemKind, Tier, UnitKind
 from .units import checkpoint_neighbours, checkpoints_above_removed_leaf, is_tier_leaf, units_of
 from .victims import DeferredReoffers, VictimHeap, reoffer
 
-_GPU_CPU = GPU_BIT | 1 << Tier.CPU
+_GPU_CPU = GPU_BIT | CPU_BIT
 _COMPACT_FACTOR = 4  # rebuild the heaps once stale entries outnumber live ones this many times
 
 
