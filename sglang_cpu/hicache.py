@@ -149,16 +149,22 @@ def build_hicache(kind: str, pools: Pools, *, histate_config: Any = None, storag
 
 def drain_backups(cache: Any, timeout_s: float = 10.0) -> None:
     """Scheduler steps until SGLang's host and storage backups are acknowledged (its backup thread
-    writes the storage tier)."""
+    writes the storage tier), and HiState's state-only writes are agreed."""
     import time
 
     deadline = time.monotonic() + timeout_s
     cache.check_hicache_events()
-    while cache.ongoing_backup or cache.ongoing_write_through:
+    while cache.ongoing_backup or cache.ongoing_write_through or _state_writes_in_flight(cache):
         if time.monotonic() > deadline:
             raise TimeoutError("storage backups did not finish")
         time.sleep(0.002)
         cache.check_hicache_events()
+
+
+def _state_writes_in_flight(cache: Any) -> bool:
+    """HiState's state-only SSD writes under write_back (sglang_plugin/state_writes.py) not yet agreed."""
+    writes = getattr(getattr(getattr(cache, "histate", None), "ssd_tier", None), "state_writes", None)
+    return writes is not None and writes.in_flight()
 
 
 def request(rid: str, tokens: list) -> Any:

@@ -4,7 +4,7 @@ Under `--hicache-write-policy write_back` a segment loaded back from the host ke
 device holds it. SGLang 0.5.23 frees those copies first when the host pool is short
 (`UnifiedTreeCore.drive_host_eviction` -> `_reclaim_full_host_duplicates`, unified_tree_core.py:1941-2035):
 oldest first, sparing evictable device leaves in a first pass; only then does the ranked walk (HiState's
-eq. 7 in the plugin) evict sole host copies. The simulator's `histate-writeback-server` models the plugin,
+eq. 7 in the plugin) evict sole host copies. The simulator's `histate-writeback-via-host` models the plugin,
 so it must do the same (`Evictor.reclaim_host_duplicates`); without it a cpu48-like host keeps copies of
 what the device holds and sends sole copies to the SSD (docs/results.md, "write_back and SGLang's host
 duplicate reclaim"). Expectations below are worked out by hand from that rule, not read from the code.
@@ -24,7 +24,7 @@ def _kv_masks(cache, session: str, num_pages: int) -> list:
 
 
 def _cache(reclaims: bool) -> HybridPrefixCache:
-    policy = make_policy("histate-writeback-server")
+    policy = make_policy("histate-writeback-via-host")
     assert policy.host_reclaims_duplicates  # what the plugin runs under (SGLang's write_back path)
     policy.host_reclaims_duplicates = reclaims
     # 20-page device, 16-page host: each request is 4 pages of KV and a 4-page terminal state
@@ -75,9 +75,9 @@ def test_without_the_reclaim_eq7_sends_a_sole_copy_to_the_ssd_instead():
 
 
 def _x_on_the_device():
-    """`histate-writeback-server` with a 40-page device and an 8-page host holding x = [0, 4) -> [4, 8) on
+    """`histate-writeback-via-host` with a 40-page device and an 8-page host holding x = [0, 4) -> [4, 8) on
     the device alone. Returns (cache, inner node, leaf)."""
-    cache = HybridPrefixCache(tiny_config(40, 8, 100), make_policy("histate-writeback-server"))
+    cache = HybridPrefixCache(tiny_config(40, 8, 100), make_policy("histate-writeback-via-host"))
     serve(cache, _keys("x", 4), 1.0, [4])
     serve(cache, _keys("x", 8), 2.0, [8])
     path, _, _ = cache.tree.walk(_keys("x", 8))

@@ -2,7 +2,7 @@
 
 Written through (`histate`), a new checkpoint goes to its home tier (the SSD) at creation, and T_state is
 its residence there (Little's law on the SSD before any sample; a sample when its last copy goes). Under
-write_back (`histate-writeback-server`, the plugin under `--hicache-write-policy write_back`) it stays on
+write_back (`histate-writeback-via-host`, the plugin under `--hicache-write-policy write_back`) it stays on
 the device until the device evicts it; pricing it by the SSD made a large SSD look like free checkpoints:
 with a 10 TB SSD eq. 5 planned one every grid step, the device could not hold them, and gpu30 lost 0.7
 points of hit rate to `no_checkpoint` misses (docs/results.md, "write_back with HiState").
@@ -24,7 +24,7 @@ def _state(policy: str, ssd_pages: int, **kw) -> PolicyState:
 
 
 def test_written_through_states_are_priced_by_the_ssd_and_write_back_states_by_the_device():
-    for policy, home in (("histate", Tier.SSD), ("histate-writeback-server", Tier.GPU)):
+    for policy, home in (("histate", Tier.SSD), ("histate-writeback-via-host", Tier.GPU)):
         state = _state(policy, 10_000)
         assert state.state_home_tier is home, policy
         # Little's law before any sample: 1,000 bytes into the device (capacity 6,400) and 1,000 into the
@@ -40,13 +40,13 @@ def test_written_through_states_are_priced_by_the_ssd_and_write_back_states_by_t
 def test_the_plugin_passes_the_write_policy_in_place_of_the_policys():
     state = _state("histate", 10_000, checkpoint_write_through=False)
     assert state.state_home_tier is Tier.GPU and state.states_priced_on_device
-    assert _state("histate-writeback-server", 10_000, checkpoint_write_through=None).states_priced_on_device
+    assert _state("histate-writeback-via-host", 10_000, checkpoint_write_through=None).states_priced_on_device
     # no SSD: a checkpoint lives on the device either way, sampled when its last copy goes
-    state = PolicyState(make_policy("histate-writeback-server"), tiny_config(100, 200))
+    state = PolicyState(make_policy("histate-writeback-via-host"), tiny_config(100, 200))
     assert state.state_home_tier is Tier.GPU and not state.states_priced_on_device
 
 
-@pytest.mark.parametrize("policy, sampled_on", [("histate", "gone"), ("histate-writeback-server", "device exit")])
+@pytest.mark.parametrize("policy, sampled_on", [("histate", "gone"), ("histate-writeback-via-host", "device exit")])
 def test_t_state_is_sampled_where_the_checkpoint_leaves_its_placement(policy, sampled_on):
     state = _state(policy, 10_000)
     state.on_kv_left_gpu(_Node(kv_created_s=0.0), 100.0)  # T_KV = 100 s
@@ -69,7 +69,7 @@ def _plans(policy: str, ssd_pages: int) -> list:
             positions = cache.plan_checkpoints(lease)
             plans.append(tuple(positions))
             cache.finish_request(lease, None, now_s, positions)
-    if policy == "histate-writeback-server":
+    if policy == "histate-writeback-via-host":
         # the device evicted checkpoints, and each exit was a T_state sample (none is gone: the host holds them)
         assert cache.state.controller.state_residence_s.value is not None
         assert cache.stats.num_checkpoint_failures == 0
@@ -81,5 +81,5 @@ def test_the_ssds_size_does_not_change_what_write_back_plans():
     device. Written through it is (a 10^4 times larger SSD holds a checkpoint 10^4 times longer by
     Little's law), so the same comparison tells the two apart."""
     small, huge = 3_000, 30_000_000
-    assert _plans("histate-writeback-server", small) == _plans("histate-writeback-server", huge)
+    assert _plans("histate-writeback-via-host", small) == _plans("histate-writeback-via-host", huge)
     assert _plans("histate", small) != _plans("histate", huge)

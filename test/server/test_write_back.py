@@ -3,8 +3,8 @@
 With write_back the host holds what the device evicted instead of a mirror of the device (SGLang copies
 nothing at insert; unified_tree_core.py:1108-1109, 1432-1433), which is what a host shorter than the device
 needs. A small device pool (2,048 tokens) and a host twice its size: twelve 900-token prompts push the
-first ones off the device (KV and states written back to the host, states on to the SSD), then off the
-host (KV written ahead to the SSD). Every answer, and every earlier prompt asked again, extended, must equal
+first ones off the device (KV written back to the host; each checkpoint went to the SSD at creation, and a
+historical one then leaves the device), then off the host (KV written ahead to the SSD). Every answer, and every earlier prompt asked again, extended, must equal
 stock SGLang's cold answer; the probes must reuse a checkpoint from the host or the SSD.
 (The same placement on SGLang's classes, with every state compared to a cold prefill and no state left
 without a copy: test/sglang/test_write_back.py.)
@@ -35,15 +35,19 @@ def test_write_back_answers_exactly_and_serves_from_host_and_ssd(servers, fleet,
     for i, prompt in enumerate(prompts):
         assert_exact(reference, server, f"prompt {i}", prompt)
         if i == 1 and not metric_sum(server.url, "histate_evictions_total", tier="device"):
-            # nothing left the device yet, so under write_back nothing reached the host or the SSD (under
-            # write_through both prompts' checkpoints would be on the SSD by now)
-            assert metric_sum(server.url, "histate_ssd_written_bytes_total") == 0, "write_back wrote at insert"
+            # nothing left the device yet: under write_back no KV reached the host or the SSD, and each
+            # checkpoint went to the SSD at creation, alone (sglang_plugin/state_writes.py)
+            assert metric_sum(server.url, "histate_state_writes_total", result="stored") >= 2, \
+                "no checkpoint was written to the SSD at creation"
+            assert metric_sum(server.url, "histate_kv_demoted_tokens_total") == 0, "write_back wrote KV at insert"
     assert metric_sum(server.url, "histate_evictions_total", tier="device") > 0, "the device never evicted"
     assert metric_sum(server.url, "histate_ssd_written_bytes_total") > 0, "nothing was written to the SSD"
-    before = {tier: metric_sum(server.url, "histate_prefix_hits_total", tier=tier) for tier in ("host", "ssd")}
+    assert metric_sum(server.url, "histate_state_writes_total", result="failed") == 0
+    assert metric_sum(server.url, "histate_checkpoints_homed_total") > 0, "no historical checkpoint left the device"
+    before = {tier: metric_sum(server.url, "histate_prefix_hits_total", tier=tier) for tier in ("host", "storage")}
     cached = [assert_exact(reference, server, f"prompt {i} + 100", prompt + [5 + j % 300 for j in range(100)])
               .cached_tokens for i, prompt in enumerate(prompts[:8])]
     assert min(cached) >= 512, f"an earlier prompt asked again was not served from the tiers: {cached}"
-    after = {tier: metric_sum(server.url, "histate_prefix_hits_total", tier=tier) for tier in ("host", "ssd")}
+    after = {tier: metric_sum(server.url, "histate_prefix_hits_total", tier=tier) for tier in ("host", "storage")}
     assert sum(after.values()) > sum(before.values()), f"no checkpoint reused from the host or the SSD: {after}"
     fleet.stop("write_back")

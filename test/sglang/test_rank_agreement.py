@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from histate.core import SSD_BIT
+from histate.core import GPU_BIT, SSD_BIT
 from histate.sglang_plugin import eviction
 from histate.sglang_plugin.config import resolve_config
 from histate.sglang_plugin.core_nodes import core_of
@@ -229,23 +229,36 @@ def _reclaim_digest_by_path(monkeypatch) -> None:
     monkeypatch.setattr(core_module.UnifiedTreeCore, "_release_full_host_duplicate", by_path)
 
 
-@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-def test_ranks_with_jittered_clocks_take_identical_decisions(sglang_plugins, monkeypatch, write_policy):
+@pytest.mark.parametrize("write_policy, ssd", [("write_through", False), ("write_back", False), ("write_back", True)],
+                         ids=["write_through", "write_back", "write_back_ssd"])
+def test_ranks_with_jittered_clocks_take_identical_decisions(sglang_plugins, monkeypatch, tmp_path, write_policy, ssd):
     """Also under write_back, where every device eviction backs its node up first (HiState's MAMBA walk
     asks for the state's backup itself: `eviction.write_back_moves_state`) and SGLang reclaims host
-    duplicates under host pressure."""
+    duplicates under host pressure; and under write_back with an SSD tier, where each new checkpoint is
+    written to the SSD through a host staging slot (state_writes.py), agreed at the per-step all-reduce."""
     publish_server_args()
     _reclaim_digest_by_path(monkeypatch)
     group, shared = TwoRankGroup(), {"now_s": 0.0}
-    ranks = [Rank(r, group, {"local_clock": JitteredClock(shared, seed=r)}, write_policy=write_policy) for r in (0, 1)]
+    configs = _ssd_configs(tmp_path, "256MiB") if ssd else [None, None]
+    ranks = [Rank(r, group, {"local_clock": JitteredClock(shared, seed=r)}, ssd_config=configs[r],
+                  write_policy=write_policy) for r in (0, 1)]
     assert ranks[0].cache.is_write_back == (write_policy == "write_back")
     assert _in_lockstep(ranks, group, _serve_stream(ranks, _requests(NUM_REQUESTS), shared)) == []
     assert ranks[0].steps == ranks[1].steps >= MIN_STEPS
     assert _first_difference(ranks[0].log, ranks[1].log) is None
     evicted = {entry[1] for entry in ranks[0].log if entry[0] == "evict"}
     assert evicted == {"GPU", "CPU"}, evicted  # decisions under pressure on both tiers were compared
-    # write_back: host duplicates were reclaimed (SGLang checked their order across the ranks each step)
-    assert bool(ranks[0].cache.tree_core.write_back_duplicate_reclaim_digest) == (write_policy == "write_back")
+    # write_back: host duplicates were reclaimed (SGLang checked their order across the ranks each step);
+    # with the SSD tier the host holds few (states go to the SSD, so the MAMBA walk backs up no node's KV
+    # to tombstone its state: none on this stream)
+    assert bool(ranks[0].cache.tree_core.write_back_duplicate_reclaim_digest) == (write_policy == "write_back"
+                                                                                  and not ssd)
+    if ssd:  # the state writes ran, and each rank's SSD holds what the other's does
+        writers = [rank.cache.histate.ssd_tier.state_writes for rank in ranks]
+        assert writers[0].num_stored == writers[1].num_stored > 100 and writers[0].num_failed == 0
+        assert _ssd_view(ranks[0].cache) == _ssd_view(ranks[1].cache)
+        assert {_rank_free(k) for k in ranks[0].cache.histate.ssd_tier.backend.store.keys()} == \
+            {_rank_free(k) for k in ranks[1].cache.histate.ssd_tier.backend.store.keys()}
 
 
 def test_ranks_with_their_own_clocks_diverge(sglang_plugins):
@@ -310,30 +323,41 @@ def _ssd_view(cache) -> list:
                   for sg in cache.tree_core._node_arena.values() if sg.parent is not None)
 
 
-def test_a_state_one_rank_did_not_store_is_on_ssd_on_no_rank(sglang_plugins, tmp_path):
-    """SGLang acks a failed backup like a good one, on every rank. Rank 1's store refuses the states;
-    rank 0's stores them. The SSD tier confirms an object only where every rank holds it (MIN over the
-    ranks): neither rank sets an SSD bit, both keep the historical states on the device (no homing) and
-    reuse them alike, and rank 0 deletes the copies no agreed record holds."""
+def _three_states_on_two_ranks(tmp_path, write_policy: str = "write_through", refuse_states_on_rank1: bool = False):
+    """Two ranks serve one 16-page prompt that leaves states at 4, 8 and 16 pages (written to the SSD
+    through the host under write_through, at creation under write_back), take a step, then admit a probe
+    that reuses 6 pages. Each rank logs its SSD view and what the probe reused. With
+    `refuse_states_on_rank1`, rank 1's store refuses every state. Returns (ranks, refusals or None)."""
     from .test_backup_acks import Refusals
 
     publish_server_args()
     group = TwoRankGroup()
     configs = _ssd_configs(tmp_path)
-    ranks = [Rank(r, group, {"clock": lambda: 1.0}, ssd_config=configs[r]) for r in (0, 1)]
-    refusals = Refusals(ranks[1].cache.histate.ssd_tier.backend.store, lambda key: key.startswith("mamba/"))
+    ranks = [Rank(r, group, {"clock": lambda: 1.0}, ssd_config=configs[r], write_policy=write_policy)
+             for r in (0, 1)]
+    refusals = Refusals(ranks[1].cache.histate.ssd_tier.backend.store, lambda key: key.startswith("mamba/")) \
+        if refuse_states_on_rank1 else None
     prompt = list(range(500, 500 + 16 * PAGE))
 
     def work(rank: Rank) -> None:
-        rank.driver.serve(prompt, [4 * PAGE, 8 * PAGE, 16 * PAGE])  # written through to SSD, acked
+        rank.driver.serve(prompt, [4 * PAGE, 8 * PAGE, 16 * PAGE])
         rank.driver.step()
         rank.log.append(("view", _ssd_view(rank.cache)))
         rank.log.append(("reused", rank.driver.admit(prompt[:6 * PAGE] + [1] * PAGE)))
         rank.cache.unlock(rank.driver.admission_lock)
 
     assert _in_lockstep(ranks, group, work) == []
-    assert len(refusals.refused) == 3  # the fault fired on rank 1: three states refused
     assert ranks[0].log == ranks[1].log
+    return ranks, refusals
+
+
+def test_a_state_one_rank_did_not_store_is_on_ssd_on_no_rank(sglang_plugins, tmp_path):
+    """SGLang acks a failed backup like a good one, on every rank. Rank 1's store refuses the states;
+    rank 0's stores them. The SSD tier confirms an object only where every rank holds it (MIN over the
+    ranks): neither rank sets an SSD bit, both keep the historical states on the device (no homing) and
+    reuse them alike, and rank 0 deletes the copies no agreed record holds."""
+    ranks, refusals = _three_states_on_two_ranks(tmp_path, refuse_states_on_rank1=True)
+    assert len(refusals.refused) == 3  # the fault fired on rank 1: three states refused
     view = dict(ranks[0].log)["view"]
     assert not any(ssd_state for _, _, ssd_state, _ in view) and len(view) == 3
     assert dict(ranks[0].log)["reused"] == 4 * PAGE  # the 4-page state kept its device copy on both ranks
@@ -342,6 +366,41 @@ def test_a_state_one_rank_did_not_store_is_on_ssd_on_no_rank(sglang_plugins, tmp
     assert tiers[0].backend.store.keys() == [] == tiers[1].backend.store.keys()
     for rank in ranks:
         assert rank.cache.histate.metrics.totals["checkpoints_homed_total"] == 0
+        rank.cache.sanity_check()
+
+
+def test_a_state_write_one_rank_did_not_store_is_on_ssd_on_no_rank(sglang_plugins, tmp_path):
+    """write_back's state-only writes (state_writes.py) are agreed like backups: rank 1's store refuses
+    every state, rank 0's stores them. No rank sets an SSD bit or homes a state, both keep every state's
+    device copy and reuse it alike, rank 0 deletes the copies it stored, and both free their staging slots."""
+    ranks, refusals = _three_states_on_two_ranks(tmp_path, "write_back", refuse_states_on_rank1=True)
+    assert len(refusals.refused) == 3  # the fault fired on rank 1: three states refused
+    view = dict(ranks[0].log)["view"]
+    assert not any(ssd_state for _, _, ssd_state, _ in view) and len(view) == 3
+    assert dict(ranks[0].log)["reused"] == 4 * PAGE  # the 4-page state kept its device copy on both ranks
+    for rank in ranks:
+        writes = rank.cache.histate.ssd_tier.state_writes
+        assert (writes.num_started, writes.num_stored, writes.num_failed) == (3, 0, 3)
+        assert writes.host_pool.available_size() == writes.host_pool.size  # staging slots freed
+        assert rank.cache.histate.ssd_tier.backend.store.keys() == []  # rank 0 deleted what it stored
+        assert rank.cache.histate.metrics.totals["checkpoints_homed_total"] == 0
+        rank.cache.sanity_check()
+
+
+def test_state_writes_stored_on_every_rank_home_historical_states(sglang_plugins, tmp_path):
+    """The control of the test above, without the fault: both ranks store the three states, set their
+    SSD bits and home the two historical ones (their device copies go), and reuse the 4-page state from
+    the SSD alike."""
+    ranks, _ = _three_states_on_two_ranks(tmp_path, "write_back")
+    view = dict(ranks[0].log)["view"]
+    assert [(ssd_state, ckpt) for _, _, ssd_state, ckpt in sorted(view)] == \
+        [(True, SSD_BIT), (True, SSD_BIT), (True, SSD_BIT | GPU_BIT)]  # historical on the SSD alone
+    assert dict(ranks[0].log)["reused"] == 4 * PAGE  # restored from the SSD
+    for rank in ranks:
+        writes = rank.cache.histate.ssd_tier.state_writes
+        assert (writes.num_started, writes.num_stored, writes.num_failed) == (3, 3, 0)
+        assert rank.cache.histate.metrics.totals["checkpoints_homed_total"] == 2
+        assert rank.cache.histate.metrics.totals[("ssd_restores_total", "ok")] == 1
         rank.cache.sanity_check()
 
 

@@ -2,13 +2,14 @@
 device evicted instead of a mirror of the device).
 
 Under write_back SGLang copies nothing to the host at insert (unified_tree_core.py:1108-1109, 1432-1433);
-a node reaches the host when the device evicts it, its KV and its unbacked states together
-(`_evict_components`' deferred demote, unified_radix_cache.py:1030-1055; the MAMBA walk's internal-state
-backup, `backup_node_for_write_back`, :884-889 and :1647-1663), and the storage write-through after that
-backup's ack puts its state on HiState's SSD (:1805-1818). HiState changes only which unit goes next, so
-its MAMBA walk must ask for that backup where SGLang's own walk does (components.py `_MambaWalks`;
-upstream/series 0006 keeps SGLang's rule in `_evict_device_state`); otherwise a checkpoint leaves the device
-with no copy anywhere.
+a node's KV reaches the host when the device evicts it (`_evict_components`' deferred demote,
+unified_radix_cache.py:1030-1055). SGLang writes a state to storage only with its node's host backup, so
+HiState writes each new checkpoint to the SSD at creation itself, through a host staging slot
+(sglang_plugin/state_writes.py); a node whose state is on the SSD is backed up with its KV alone, and its
+MAMBA walk tombstones such a state without a backup. A state the SSD does not hold (no SSD tier, a failed
+write) takes SGLang's host path: the MAMBA walk asks for the node's backup where SGLang's own walk does, and
+before tombstoning a state inside a backed-up node too (components.py `_MambaWalks`; upstream/series 0006
+keeps SGLang's rule in `_evict_device_state`); otherwise a checkpoint leaves the device with no copy anywhere.
 
 The stream is test_differential.py's (4 interleaved agent sessions, 24 requests, the GDN rig: SGLang's
 PrefillAdder, ScheduleBatch, GDN backend, real HiCache host pools and storage threads with HiState's SSD
@@ -17,11 +18,10 @@ every later turn comes back from the host or the SSD. After every request:
   * every device state on the request's path, and the one it resumed from, equals a cold prefill of the
     GDN layers to that position (`_ColdStates`: no SGLang code, no pool, no capture);
   * SGLang's `sanity_check` and HiState's H4 (every evictable unit is offered);
-and over the run: no state leaves the device without a host or SSD copy while the host had room, KV and
-states were written back and then served from the host (load-back) and from the SSD (restores). Two
-ways of losing a state are driven: a checkpoint inside a backed-up node (SGLang's MAMBA walk rule; the
-run loses 2 states with it) and a backed-up device leaf that gained its state after the backup (SGLang
-demotes it as it is; 1 state lost without `leaf_state_needs_backup`).
+and over the run: every checkpoint of the first request is on the SSD, and the store holds nothing else,
+before anything is evicted; no state leaves the device without a host or SSD copy; no state the SSD holds
+is copied to the host with its node's KV; the SSD tier's S1 and S4 hold while writes are in flight; KV was
+written back and then served from the host (load-back), states from the SSD (restores).
 """
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ from sglang_cpu import gdn_kernels
 from sglang_cpu.gdn_rig import GRID, GdnRig
 
 
-def _rig(tmp_path, clock, hicache_ratio: float = 4.0) -> GdnRig:
+def _rig(tmp_path, clock, hicache_ratio: float = 4.0, ssd: bool = True) -> GdnRig:
     from histate.sglang_plugin.config import resolve_config
 
-    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
-                             "ssd_size_bytes": "256MiB", "intervals_tokens": "192"}, {})
+    storage = {"ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file", "ssd_size_bytes": "256MiB"} if ssd else {}
+    config = resolve_config({"enable": True, **storage, "intervals_tokens": "192"}, {})
     # 6,144 device KV tokens and 24 state slots: one session's context (up to ~4,200 tokens) plus a pass.
     # One interval (192 tokens, three grid steps), so the checkpoints do not depend on eq. 5's pricing:
     # under write_back it prices a checkpoint by its stay on this small device and plans few (PolicyState).
@@ -72,9 +72,19 @@ class _Recorder:
         from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
         self.write_backs = self.device_tombstones = self.load_backs = 0
+        self.kv_only_backups_of_ssd_states = 0  # host backups of a node whose state is on SSD: KV alone
+        self.ssd_states_copied_to_host: list = []  # ... that copied the state too (state_writes.py: never)
         self.lost: list = []
         backup, tombstone = cache._execute_and_commit_kv_backup, cache.tree_core._evict_component_and_detach_lru
-        load_back = cache.load_back
+        load_back, commit_backup = cache.load_back, cache.tree_core.commit_backup
+
+        def checked_commit_backup(node_id, host_indices, comp_xfers):
+            if core_of(cache.tree_core.node_by_id(node_id)).ssd_state:
+                if MAMBA in comp_xfers:
+                    self.ssd_states_copied_to_host.append(node_id)
+                else:
+                    self.kv_only_backups_of_ssd_states += 1
+            return commit_backup(node_id, host_indices, comp_xfers)
 
         def counted_load_back(node_id, *args, **kwargs):
             loaded = load_back(node_id, *args, **kwargs)
@@ -94,6 +104,7 @@ class _Recorder:
             return tombstone(node, component, *args, target=target, **kwargs)
 
         cache._execute_and_commit_kv_backup = counted_backup
+        cache.tree_core.commit_backup = checked_commit_backup
         cache.load_back = counted_load_back
         cache.tree_core._evict_component_and_detach_lru = checked_tombstone
 
@@ -108,22 +119,70 @@ def test_write_back_serves_every_state_exactly_and_loses_none(sglang_plugins, mo
     store = cache.histate.ssd_tier.backend.store
     tokens_of, states = _Tokens(), _ColdStates(rig)
     resumed = 0
+    writes, checked_in_flight = cache.histate.ssd_tier.state_writes, []
+    start = writes.start
+
+    def start_and_check():  # S1 and S4 while state writes are in flight (docs/invariants.md)
+        started = start()
+        if writes.writes:
+            cache.histate.ssd_tier.check_invariants()
+            checked_in_flight.append(len(writes.writes))
+        return started
+
+    writes.start = start_and_check
     for i, request in enumerate(_stream(TRACE)):
         clock[0] = float(i)
         req = serve_checked(rig, f"r{i}", tokens_of(request), states)
         if i == 0:
-            # write_back: the insert copied nothing to the host, so nothing reached the SSD either
-            assert recorder.write_backs == 0 and not store.keys()
-            assert not any(n.backuped for n in cache.tree_core._node_arena.values())
+            # write_back: the insert copied nothing to the host; each checkpoint went to the SSD alone
+            # (state_writes.py), through a staging slot that is free again
+            nodes = [n for n in cache.tree_core._node_arena.values() if n.parent is not None]
+            assert recorder.write_backs == 0 and not any(n.backuped for n in nodes)
+            # every checkpoint is on the SSD, the store holds nothing else, and the historical ones
+            # (their node has a child) live there alone (asymmetric tiering)
+            with_state = [n for n in nodes if core_of(n).ckpt_mask]
+            assert len(with_state) >= 3 and all(core_of(n).ssd_state for n in with_state)
+            assert sorted(store.keys()) == sorted(cache.histate.ssd_tier.state_key(n.hash_value[-1]) for n in with_state)
+            assert all(n.component_data[MAMBA].value is None for n in with_state if n.children)
+            assert cache.histate.ssd_tier.state_writes.host_pool.available_size() == \
+                cache.histate.ssd_tier.state_writes.host_pool.size
         resumed += bool(req._hs_admitted[0])
     restores = cache.histate.metrics.totals.get(("ssd_restores_total", "ok"), 0)
     print(f"write_back: {recorder.write_backs} backups, {recorder.device_tombstones} device state tombstones, "
           f"{resumed} resumed, {recorder.load_backs} host load-backs, {restores} SSD restores, "
           f"{len(states.checked)} distinct states compared, max |diff| {states.max_diff:.3g}")
     assert recorder.lost == [], f"states tombstoned with no host or SSD copy: {recorder.lost}"
-    # The stream exercises what it checks (this seeded run: 59 write-back backups, 67 device state
-    # tombstones, 22 requests resumed, 8 host load-backs, 4 SSD restores, 80 distinct states compared).
-    assert recorder.write_backs >= 40 and recorder.device_tombstones >= 40
-    assert resumed >= 15 and recorder.load_backs >= 4 and restores >= 2
-    assert len(states.checked) >= 70  # 80
+    # a state on the SSD is not copied to the host when its node's KV is backed up (components.py)
+    assert recorder.ssd_states_copied_to_host == [] and recorder.kv_only_backups_of_ssd_states >= 5
+    # The stream exercises what it checks (this seeded run: 50 write-back backups, 119 device state
+    # tombstones, 22 requests resumed, 17 host load-backs, 17 SSD restores, 109 distinct states compared;
+    # before the state-only writes: 59, 67, 22, 8, 4 and 80).
+    assert recorder.write_backs >= 40 and recorder.device_tombstones >= 80
+    assert resumed >= 15 and recorder.load_backs >= 8 and restores >= 10
+    assert len(states.checked) >= 100  # 109
+    assert len(checked_in_flight) >= 20 and max(checked_in_flight) == writes.max_in_flight
+    print(f"state-only writes: {writes.num_started} started, {writes.num_stored} stored, {writes.num_failed} failed; "
+          f"{recorder.kv_only_backups_of_ssd_states} KV-only backups of nodes whose state is on SSD")
+    assert writes.num_stored == writes.num_started >= 50 and writes.num_failed == 0
     assert any(core_of(n).ssd_state for n in cache.tree_core._node_arena.values())
+
+
+def test_the_host_path_without_an_ssd_tier_loses_no_state(sglang_plugins, monkeypatch, tmp_path):
+    """No SSD tier: every state takes SGLang's host path (a write the SSD refused takes it too). Two ways
+    of losing a state there are driven: a checkpoint inside a backed-up node (SGLang's MAMBA walk rule,
+    components/mamba.py:427-437) and a backed-up device leaf that gained its state after the backup
+    (SGLang demotes it as it is); `eviction.write_back_moves_state` and `leaf_state_needs_backup` keep both."""
+    gdn_kernels.install(monkeypatch)
+    clock = [0.0]
+    rig = _rig(tmp_path, clock, ssd=False)
+    cache = rig.cache
+    assert cache.histate.ssd_tier is None
+    recorder = _Recorder(cache)
+    tokens_of, states = _Tokens(), _ColdStates(rig)
+    for i, request in enumerate(_stream(TRACE)):
+        clock[0] = float(i)
+        serve_checked(rig, f"r{i}", tokens_of(request), states)
+    print(f"write_back, host path only: {recorder.write_backs} backups, {recorder.device_tombstones} device state "
+          f"tombstones, {recorder.load_backs} load-backs, {len(states.checked)} distinct states compared")
+    assert recorder.lost == [], f"states tombstoned with no host copy: {recorder.lost}"
+    assert recorder.write_backs >= 40 and recorder.load_backs >= 4 and len(states.checked) >= 60

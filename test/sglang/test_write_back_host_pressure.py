@@ -4,13 +4,15 @@ Under write_back a segment loaded back from the host keeps its host copy while t
 the host pool is short, SGLang 0.5.23 frees those copies first (`UnifiedTreeCore.drive_host_eviction` ->
 `_reclaim_full_host_duplicates`, unified_tree_core.py:1941-2035), before the component walk that HiState
 ranks (components.py `drive_host_eviction`, eq. 7) evicts any sole host copy. The simulator's
-`histate-writeback-server` models the plugin with that rule (core/eviction.py `reclaim_host_duplicates`,
+`histate-writeback-via-host` models the plugin with that rule (core/eviction.py `reclaim_host_duplicates`,
 test/core/test_host_duplicates.py), and on a host-bound row it is most of write_back's gain
 (docs/results.md, "write_back and SGLang's host duplicate reclaim"). This checks the rule on the server's
 side: test_write_back.py's stream and rig (SGLang's PrefillAdder, ScheduleBatch, GDN backend, real HiCache
 host pools and storage threads with HiState's SSD backend; only the D<->H copy engine is a CPU stand-in)
-with a host KV pool 0.6x the device's (`hicache_ratio` 0.6), so the host evicts both duplicates
-and sole copies. Over the run:
+with a host KV pool 0.6x the device's (`hicache_ratio` 0.6) and no SSD tier, so the host evicts both
+duplicates and sole copies. (With an SSD tier each checkpoint goes to the SSD at creation, state_writes.py,
+so the MAMBA walk no longer backs up a node's KV to tombstone its state, and this stream leaves the host 3
+duplicates to reclaim instead of 19.) Over the run:
   * SGLang reclaimed host duplicates, and in every host eviction it freed duplicates before HiState's walk
     took any sole host copy, taking a sole copy only once no reclaimable duplicate was left;
   * every device state on each request's path, and the one it resumed from, equals a cold prefill of the
@@ -72,9 +74,10 @@ class _HostEvictions:
 def test_write_back_host_pressure_reclaims_duplicates_before_sole_copies(sglang_plugins, monkeypatch, tmp_path):
     gdn_kernels.install(monkeypatch)
     clock = [0.0]
-    # test_write_back.py's rig with a host pool 0.6x the device's 6,144 KV tokens (at 1x the host never
-    # needs a sole copy's room: 8 duplicates reclaimed, no sole copy evicted, the ordering untested)
-    rig = _rig(tmp_path, clock, hicache_ratio=0.6)
+    # test_write_back.py's rig with a host pool 0.6x the device's 6,144 KV tokens and no SSD tier (at 1x
+    # the host never needs a sole copy's room: 8 duplicates reclaimed, no sole copy evicted, the ordering
+    # untested)
+    rig = _rig(tmp_path, clock, hicache_ratio=0.6, ssd=False)
     cache = rig.cache
     host_evictions = _HostEvictions(monkeypatch, cache.tree_core)
     recorder = _Recorder(cache)
@@ -83,7 +86,7 @@ def test_write_back_host_pressure_reclaims_duplicates_before_sole_copies(sglang_
         clock[0] = float(i)
         serve_checked(rig, f"r{i}", tokens_of(request), states)
     freed = [event for call in host_evictions.calls for event in call]
-    print(f"write_back, host 0.6x the device: {len(host_evictions.calls)} host evictions, "
+    print(f"write_back, host 0.6x the device, no SSD tier: {len(host_evictions.calls)} host evictions, "
           f"{sum(k == 'duplicate' for k, _ in freed)} duplicates reclaimed, "
           f"{sum(k == 'sole' for k, _ in freed)} sole host copies evicted ({host_evictions.state_pool_calls} state-pool "
           f"host evictions apart), {recorder.load_backs} load-backs, "
@@ -93,7 +96,7 @@ def test_write_back_host_pressure_reclaims_duplicates_before_sole_copies(sglang_
         kinds = [kind for kind, _ in call]
         assert kinds == sorted(kinds), call  # "duplicate" < "sole"
     assert host_evictions.duplicates_left_after_sole == []
-    # The stream exercises it (this seeded run: 33 host evictions, 26 duplicates reclaimed, 15 sole copies
-    # evicted after them, 8 load-backs, 80 states).
+    # The stream exercises it (this seeded run: 32 host evictions, 19 duplicates reclaimed, 22 sole copies
+    # evicted after them, 8 load-backs, 81 states).
     assert sum(kind == "duplicate" for kind, _ in freed) >= 10 and sum(kind == "sole" for kind, _ in freed) >= 5
     assert recorder.load_backs >= 4 and len(states.checked) >= 60

@@ -282,3 +282,15 @@ class HiStateMambaComponent(*_MAMBA_BASES):
         elif insert_result is None or insert_result.mamba_exist:  # not inserted, or the tree had that state
             self.cache.req_to_token_pool.mamba_allocator.free(capture.slot)
 
+    def build_hicache_transfers(self, node: Any, phase: Any, **kwargs: Any) -> Any:
+        """Under write_back a node's host backup carries its device state too (`_execute_and_commit_kv_backup`,
+        unified_radix_cache.py:1685-1710), also when the device evicts a leaf. A state already on the SSD
+        (state_writes.py) needs no host copy: it would take one of the host's few state slots, whose walk
+        takes a host leaf whole, KV too. So the backup copies its KV alone, as the simulator's
+        `histate-writeback` places it (checkpoints on the device and the SSD, never the host)."""
+        from sglang.srt.mem_cache.unified_cache.components.base import CacheTransferPhase
+
+        if phase == CacheTransferPhase.BACKUP_HOST and self.tree_core.is_write_back and core_of(node).ssd_state:
+            return None
+        return super().build_hicache_transfers(node, phase, **kwargs)
+

@@ -199,8 +199,8 @@ class TierVictims:
 
 def write_back_moves_state(tree_core: Any, sg: Any, unit: UnitKind) -> bool:
     """Whether evicting `unit` of `sg` from the device under `--hicache-write-policy write_back` copies
-    its state to the host first instead of dropping it: every device state with no host copy, on a node
-    whose KV is on the device.
+    its state to the host first instead of dropping it: every device state with no host or SSD copy, on a
+    node whose KV is on the device.
       BUNDLE      SGLang's leaf eviction backs up a node not backed up yet, its KV and states together, and
                   demotes it (`evict_device_leaf`, unified_tree_core.py:1788-1825). A backed-up leaf it
                   demotes as it is, so a state the leaf gained since its backup would go with no copy:
@@ -212,8 +212,8 @@ def write_back_moves_state(tree_core: Any, sg: Any, unit: UnitKind) -> bool:
                   miss the next turn pays. SGLang's backup of such a node copies the state alone (its KV is
                   on the host already: `_execute_and_commit_kv_backup` skips only a node with nothing left
                   to copy, unified_radix_cache.py:1695-1699)."""
-    if not (tree_core.enable_hicache and tree_core.is_write_back):
-        return False
+    if not (tree_core.enable_hicache and tree_core.is_write_back) or core_of(sg).ssd_state:
+        return False  # a state on the SSD (state_writes.py) loses nothing when its device copy goes
     return sg.component_data[MAMBA].host_value is None and sg.component_data[FULL].value is not None \
         and sg.component_data[MAMBA].value is not None
 

@@ -26,6 +26,8 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
   sglang:histate_kv_demoted_tokens_total        host KV written to SSD ahead of its eviction (victim tier)
   sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
+  sglang:histate_state_writes_total{result}     write_back: checkpoints written to the SSD at creation (stored |
+                                                failed: some rank's store does not hold it; state_writes.py)
   sglang:histate_miss_tokens_total{reason}      uncached prompt tokens by reason (--histate-miss-reasons;
                                                 docs/misses.md)
   sglang:histate_tool_wait_turns_total{event}   tool-wait residency: held | expired | back_in_time | back_late
@@ -127,6 +129,9 @@ class HiStateMetrics:
                 "is the host's victim tier for KV).")
         counter("ssd_restores_total", "Checkpoints restored from the SSD tier to a host slot; 'miss' when "
                 "any rank could not read its copy (the request then runs without it).", ("result",))
+        counter("state_writes_total", "Under --hicache-write-policy write_back: checkpoints written to the SSD at "
+                "creation through a host staging slot; 'failed' when some rank's store does not hold it (the "
+                "checkpoint keeps its device copy).", ("result",))
         counter("miss_tokens_total", "Prompt tokens not served from cache, by reason (--histate-miss-reasons; "
                 "docs/misses.md): no_prefix, kv_evicted, state_evicted, no_checkpoint, not_restored, page_boundary.",
                 ("reason",))
@@ -179,6 +184,12 @@ class HiStateMetrics:
 
     def record_restore(self, *, ok: bool) -> None:
         self._inc("ssd_restores_total", 1, result="ok" if ok else "miss")
+
+    def record_state_writes(self, *, stored: int, failed: int) -> None:
+        if stored:
+            self._inc("state_writes_total", stored, result="stored")
+        if failed:
+            self._inc("state_writes_total", failed, result="failed")
 
     def record_chunk_cut(self, kind: str) -> None:
         self._inc("prefill_chunk_cuts_total", 1, kind=kind)

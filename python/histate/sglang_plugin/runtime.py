@@ -83,8 +83,8 @@ class HiStateRuntime:
             restore_cost_tokens={Tier.CPU: host_cost, Tier.SSD: ssd_cost},
             tool_wait=config.tool_wait_prefetch == "on")
         self.tiers = {Tier.GPU}
-        # --hicache-write-policy write_back: a checkpoint stays on the device until the device evicts it
-        # (the simulator's `histate-writeback-server`); set when HiCache attaches (`use_write_back`)
+        # --hicache-write-policy write_back: nothing is copied to the host at insert; a checkpoint goes to
+        # the SSD at creation once an SSD tier exists (state_writes.py); set when HiCache attaches
         self.write_back = False
         self._back_up_state: Optional[Callable[[Any], None]] = None  # sg -> None: a synchronous D->H state backup
         self.state = self._policy_state()
@@ -109,7 +109,16 @@ class HiStateRuntime:
         plan = TierPlan(self._policy, self.tiers)
         return PolicyState(self._policy, self.core_config, plan.demotion(ItemKind.KV),
                            plan.demotion(ItemKind.CHECKPOINT), node_unit_tokens=1,
-                           checkpoint_write_through=False if self.write_back else None)
+                           checkpoint_write_through=self.checkpoints_written_at_creation())
+
+    def checkpoints_written_at_creation(self) -> Optional[bool]:
+        """Whether a new checkpoint is written down to the SSD at creation, for eq. 4's pricing: under
+        write_back, once an SSD tier exists (state_writes.py; the simulator's `histate-writeback`), and not
+        without one (a checkpoint then stays on the device until the device evicts it: `histate-writeback-
+        server`); None: the policy's own rule (write-through does)."""
+        if not self.write_back:
+            return None
+        return Tier.SSD in self.tiers
 
     def use_write_back(self, write_back: bool, back_up_state: Optional[Callable[[Any], None]] = None) -> None:
         """HiCache attached with `--hicache-write-policy write_back` (or not): eq. 4 prices a checkpoint by
@@ -171,6 +180,8 @@ class HiStateRuntime:
         self.victims.touch_checkpoint_neighbourhood(node)
         if self.misses is not None:
             self.misses.on_checkpoint_placed(node)
+        if self.ssd_tier is not None and self.ssd_tier.state_writes is not None:
+            self.ssd_tier.state_writes.note_new_checkpoint(node)  # write_back: to the SSD at creation
 
     # --- matches -----------------------------------------------------------------------------------
 

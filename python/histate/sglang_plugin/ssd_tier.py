@@ -71,11 +71,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sglang.srt.mem_cache.hicache_storage import PoolName
+
 from histate.core import SSD_BIT, L3Ledger, L3LedgerConfig, Tier, UnitKind, fleet_share_bytes
 
 from .core_nodes import FULL, MAMBA, CoreNode, core_of
 from .eviction import is_bundle
 from .orphans import UNKNOWN_SCORE, OrphanObjects
+from .state_writes import StateWriter
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +192,9 @@ class SsdTier:
         self.capacity_bytes = self._agreed_capacity_bytes()
         self.unconfirmed_deleted = 0  # objects some rank's write did not store, deleted where one was
         self._adopt_restart_objects()
+        # write_back: each new device checkpoint is written to the SSD at creation (state_writes.py)
+        self.state_writes: Optional[StateWriter] = StateWriter(cache, self) \
+            if self.runtime.write_back and cache.host_pool_group.get_pool(PoolName.MAMBA) is not None else None
         backend.pick_victims = self.pick_ssd_victims
         backend.admits_kv = self.admits_kv
         backend.l3_admits_state = self.l3_admits_state
@@ -197,9 +203,13 @@ class SsdTier:
     # --- keys and sizes ----------------------------------------------------------------------------
 
     def _state_key(self, page_hashes) -> str:
+        return self.state_key(page_hashes[-1])
+
+    def state_key(self, page_hash: str) -> str:
+        """The store key of the state SGLang keys by `page_hash`, the last page hash of its node."""
         from sglang.srt.mem_cache.hicache_storage import PoolName
 
-        return self.backend.store_key(PoolName.MAMBA, page_hashes[-1])
+        return self.backend.store_key(PoolName.MAMBA, page_hash)
 
     def _kv_keys(self, page_hashes) -> list:
         from .storage_backend import KV_POOL
@@ -474,6 +484,27 @@ class SsdTier:
                 store.delete(key)
                 self.unconfirmed_deleted += 1
 
+    def on_state_written(self, node: CoreNode, page_hash: str, key: str) -> None:
+        """A state-only write (state_writes.py) stored `node`'s state on every rank: the same bookkeeping
+        as a confirmed backup's state (`_on_backup_confirmed`). A node that went, or now ends elsewhere
+        (it cannot: a split keeps the state's end), leaves the object as an orphan the trim reclaims."""
+        if not node.is_alive or not node.sg.hash_value or node.sg.hash_value[-1] != page_hash:
+            if key not in self.orphans:
+                self._orphan_group((), (page_hash,), UNKNOWN_SCORE)
+            return
+        if node.ssd_state:
+            return
+        had_checkpoint = bool(node.ckpt_mask)
+        node.ssd_state = True
+        self.orphans.claim((key,))
+        self.runtime.state.on_state_written(self.runtime.now())
+        self.note_state_copy(node)
+        if not had_checkpoint:
+            self.runtime.victims.touch_checkpoint_neighbourhood(node)
+        self.runtime.bytes_in(Tier.SSD, self.checkpoint_bytes)
+        self.runtime.victims.touch(node)
+        self.runtime.victims.touch(node.parent)  # it may no longer be an SSD tier-leaf
+
     def on_prefetched(self, anchor: Any, page_hashes: tuple) -> None:
         """SGLang's L3 prefetch inserted host nodes below `anchor` from these SSD pages (an agreed
         event: every rank inserts the MIN-agreed length): their KV is on SSD, and no longer orphaned.
@@ -513,6 +544,8 @@ class SsdTier:
         self._homing_due.pop(id(node), None)
         self.demoting.pop(id(node), None)
         self._demote_retry_at.pop(id(node), None)
+        if self.state_writes is not None:
+            self.state_writes.forget(node)
         if node.ssd_kv or node.ssd_state:
             unit = UnitKind.BUNDLE if node.ssd_kv else UnitKind.CHECKPOINT
             score = self.runtime.state.score(node, unit, SSD_BIT)
@@ -530,6 +563,8 @@ class SsdTier:
                 pass
         self.restores.clear()
         self._abandoned = []
+        if self.state_writes is not None:
+            self.state_writes.close(reopen=True)  # its staging slots belong to the flushed host pool
         self.candidates.clear()
         self.homing.clear()
         self._homing_due.clear()
@@ -760,22 +795,27 @@ class SsdTier:
         self._finish(job, job.agreed[1])
         return True
 
-    def restore_flags(self) -> list:
-        """This rank's (done, ok) of every restore in flight, in start order (the same on every rank:
-        restores start and end on agreed inputs), for the per-step MIN all-reduce (tree_cache.py)."""
+    def io_flags(self) -> list:
+        """This rank's (done, ok) of every restore in flight, in start order, then those of the state-only
+        writes (state_writes.py): the same on every rank (both start and end on agreed inputs), for the
+        per-step MIN all-reduce (storage_policy.py)."""
         flags = []
         for job in self.restores.values():
             done = job.read.done()
             flags += [int(done), int(done and job.read.exception() is None and bool(job.read.result()))]
-        return flags
+        return flags + (self.state_writes.flags() if self.state_writes is not None else [])
 
-    def adopt_restore_flags(self, flags: list) -> None:
-        """The MIN over the ranks of `restore_flags`: a restore completes (`restore_ready`) once every
-        rank read it, ok only if every rank's read was. One collective per step for all of them, like
-        SGLang's own prefetch acknowledgements (its `wait_complete` prefetch commits through the
-        per-step ack drain: unified_radix_cache.py:2298-2301), instead of one per poll per request."""
-        for job, done, ok in zip(self.restores.values(), flags[0::2], flags[1::2]):
+    def adopt_io_flags(self, flags: list) -> None:
+        """The MIN over the ranks of `io_flags`: a restore completes (`restore_ready`) once every rank read
+        it, ok only if every rank's read was; a state write likewise (`StateWriter.finish`). One collective
+        per step for all of them, like SGLang's own prefetch acknowledgements (its `wait_complete` prefetch
+        commits through the per-step ack drain: unified_radix_cache.py:2298-2301), instead of one per poll
+        per request."""
+        num_restore_flags = 2 * len(self.restores)
+        for job, done, ok in zip(self.restores.values(), flags[0:num_restore_flags:2], flags[1:num_restore_flags:2]):
             job.agreed = (bool(done), bool(ok))
+        if self.state_writes is not None:
+            self.state_writes.adopt_flags(flags[num_restore_flags:])
 
     def _start(self, node: CoreNode) -> Optional[_Restore]:
         from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -830,6 +870,19 @@ class SsdTier:
         self._abandoned.append(job)
         self.reap()
 
+    def step(self) -> None:
+        """The tier's work once per scheduler step, after the step's agreed all-reduce: end the state
+        writes every rank finished, home historical checkpoints, demote host KV, trim, start queued state
+        writes, free the slots of abandoned restores."""
+        if self.state_writes is not None:
+            self.state_writes.finish()
+        self.home_historical()
+        self.demote()
+        self.trim()
+        if self.state_writes is not None:
+            self.state_writes.start()
+        self.reap()
+
     def reap(self) -> None:
         """Free the host slots of abandoned restores whose read ended."""
         running = []
@@ -854,11 +907,15 @@ class SsdTier:
                 assert not missing, f"S1: node {sg.id} is marked SSD-backed; {len(missing)} pages are not stored"
             if node.ssd_state:
                 assert store.exists(self._state_key(sg.hash_value)), f"S1: node {sg.id}'s state is not stored"
+        if self.state_writes is not None:
+            self.state_writes.check_invariants()
 
     def close(self) -> None:
         """Detach: finish or drop every restore and forget the SSD bits (every rank detaches)."""
         for handle in list(self.restores):
             self.cancel(handle)
+        if self.state_writes is not None:
+            self.state_writes.close()
         self._reader.shutdown(wait=True)
         self.reap()
         self.backend.pick_victims = None

@@ -297,6 +297,22 @@ class HiStateStorageBackend(HiCacheStorage):
         self._count_io(read_bytes=page.numel() * page.element_size())
         return True
 
+    def write_state(self, key: str, host_pool: Any, host_index: int) -> bool:
+        """Store `host_pool` slot `host_index` under store key `key`: the state-only write of write_back
+        (state_writes.py), off SGLang's backup path. True once stored (or already there); a fault is
+        False. The SSD alone: L3 takes a state with its bundle's KV (`batch_set_v2` after a host backup)."""
+        stored = [False]
+        with self.io_window.operation("backup", lambda: int(stored[0])):
+            if self.store.exists(key):
+                return True
+            page = host_pool.get_data_page(host_index, flat=True)
+            (result,) = self.store.submit_put([(key, page)]).wait()
+            stored[0] = bool(result.stored)
+            if stored[0]:
+                self._count_io(written_bytes=page.numel() * page.element_size())
+                self.num_states += 1
+        return stored[0]
+
     # --- KV pages: the generic page path ---------------------------------------------------------
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Optional[torch.Tensor]:

@@ -8,9 +8,10 @@ The methods are those of SGLang's `StorageTierPolicy` (upstream/series 0008,
     write at once);
   * `on_backups_acked`: the SSD tier confirms, per object, what the drained backups stored;
   * `on_prefetch_committed`: nodes SGLang's L3 prefetch brought back are SSD-backed;
-  * `step_sync_values` / `adopt_step_sync`: the clock, the SSD usage and each SSD restore's (done, ok) ride
-    on SGLang's per-step MIN all-reduce of the HiCache ready counts (one collective, the same on every rank);
-  * `on_step`: the SSD tier's per-step work (home historical checkpoints, demote, trim, reap);
+  * `step_sync_values` / `adopt_step_sync`: the clock, the SSD usage and each SSD restore's and state-only
+    write's (done, ok) ride on SGLang's per-step MIN all-reduce of the HiCache ready counts (one collective,
+    the same on every rank);
+  * `on_step`: the SSD tier's per-step work (`SsdTier.step`);
   * `admission_ready` / `on_request_released` (upstream/series 0010): a request is held while its SSD
     checkpoint is restored, and an aborted request's restore is cancelled.
 On a SGLang with the patch the cache installs this object; on stock 0.5.23 the cache overrides the six
@@ -74,11 +75,11 @@ class HiStateStoragePolicy:
 
     def step_sync_values(self) -> list:
         """[clock ms, -SSD bytes used (MIN of negatives: the largest usage of any rank, which SSD trimming
-        decides on), each SSD restore's done and ok flags]; the restores in flight are the same on every
-        rank, in the same order, so the list has the same length on every rank."""
+        decides on), each SSD restore's and each state write's done and ok flags]; those in flight are the
+        same on every rank, in the same order, so the list has the same length on every rank."""
         clock, tier = self.cache.agreed_clock, self._tier
         samples = [clock.sample_ms() if clock is not None else 0, -(tier.local_used_bytes() if tier is not None else 0)]
-        return samples + (tier.restore_flags() if tier is not None else [])
+        return samples + (tier.io_flags() if tier is not None else [])
 
     def adopt_step_sync(self, values: Sequence[int]) -> None:
         clock, tier = self.cache.agreed_clock, self._tier
@@ -86,15 +87,12 @@ class HiStateStoragePolicy:
             clock.adopt(int(values[0]))
         if tier is not None:
             tier.adopt_agreed_usage(-int(values[1]))
-            tier.adopt_restore_flags([int(x) for x in values[2:]])
+            tier.adopt_io_flags([int(x) for x in values[2:]])
 
     def on_step(self) -> None:
         tier = self._tier
         if tier is not None:
-            tier.home_historical()
-            tier.demote()
-            tier.trim()
-            tier.reap()
+            tier.step()
 
     def admission_ready(self, request: Any) -> bool:
         """False while the request waits for its SSD checkpoint's restore (`SsdTier.restore_ready`)."""

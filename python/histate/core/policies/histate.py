@@ -11,8 +11,10 @@ histate-fixed32    admission replaced by a fixed 32-page interval (+ terminal)
 histate-lru-disk   unified eviction replaced by vLLM-Disk's LRU (no cost term, no refresh-all)
 histate-sessions   the server under SGLang's --enable-session-radix-cache: units on a live session's path last,
                    on every tier (as sglang_plugin/eviction.py ranks them)
-histate-writeback-server  the plugin under --hicache-write-policy write_back (KV and states reach the host when the
-                   device evicts them, then the SSD)
+histate-writeback  the plugin under --hicache-write-policy write_back: KV reaches the host when the device evicts it,
+                   each checkpoint goes to the SSD at creation (sglang_plugin/state_writes.py)
+histate-writeback-via-host  write_back without those state writes: states reach the host with their node's KV when
+                   the device evicts it, then the SSD (SGLang 0.5.23's own path; the plugin before 2026-12-07)
 histate-exclusive  simulator only: exclusive tiers (KV demoted GPU -> CPU -> SSD on eviction, one copy at a
                    time), the tiering the SGLang plugin does not have (docs/policies.md "Tiering")
 
@@ -140,11 +142,14 @@ class HiStateExclusive(HiState):
 
 @register_policy
 class HiStateWriteBack(HiState):
-    """SGLang's `--hicache-write-policy write_back` under HiState's tiers: device KV reaches the host only
-    when the device evicts it, the SSD is the host's victim tier, checkpoints are written through to the
-    SSD as in `histate`. A host hit is copied back and the host copy stays until the host runs short, when
-    SGLang frees such copies before any other (`Evictor.reclaim_host_duplicates`). Against
-    `histate-writeback-server` it shows what writing a checkpoint to the SSD at creation would add."""
+    """What the plugin does under `--enable-histate --hicache-write-policy write_back` with an SSD tier:
+    device KV reaches the host only when the device evicts it (SGLang's write_back), the SSD is the host's
+    victim tier, and each checkpoint is written to the SSD at creation through a host staging slot freed
+    at the write's agreed ack (sglang_plugin/state_writes.py), so it never takes a host slot and a
+    historical one lives on the SSD alone, as in `histate`. A host hit is copied back and the host copy
+    stays until the host runs short, when SGLang frees such copies before any other
+    (`Evictor.reclaim_host_duplicates`). The same decisions as the plugin on the same stream:
+    test/sglang/test_differential.py."""
 
     name = "histate-writeback"
     kv_write_through_tiers = ()
@@ -152,19 +157,20 @@ class HiStateWriteBack(HiState):
 
 
 @register_policy
-class HiStateWriteBackServer(HiStateWriteBack):
-    """What the plugin does under `--enable-histate --hicache-write-policy write_back`: SGLang copies nothing
-    to the host at insert; a node reaches the host when the device evicts it, its KV and states together
-    (`evict_device_leaf` / `backup_node_for_write_back`, unified_tree_core.py:1788-1825,
-    unified_radix_cache.py:1647-1663), and a state reaches the SSD through the storage write-through after
-    that backup's ack (:1805-1818). HiState's MAMBA walk asks for that backup for every device state with no
-    host copy (sglang_plugin/eviction.py `write_back_moves_state`), so a checkpoint evicted from the device
-    moves (device -> host staging slot -> SSD) instead of being dropped. So a checkpoint is not on the SSD
-    at creation, and a historical one keeps its device slot until the device evicts it, which is also where
-    eq. 4 prices it (PolicyState.states_priced_on_device). Against `histate-writeback` it shows what a
-    state-only device -> SSD path at creation would add."""
+class HiStateWriteBackViaHost(HiStateWriteBack):
+    """The plugin under write_back without its state-only SSD writes (before 2026-12-07, and what SGLang
+    0.5.23's own path allows: it writes a state to storage only with its node's host backup,
+    unified_tree_core.py:2528-2553): SGLang copies nothing to the host at insert; a node reaches the host
+    when the device evicts it, its KV and states together (`evict_device_leaf` / `backup_node_for_write_back`,
+    unified_tree_core.py:1788-1825, unified_radix_cache.py:1647-1663), and a state reaches the SSD through
+    the storage write-through after that backup's ack (:1805-1818). HiState's MAMBA walk asks for that backup
+    for every device state with no host copy (sglang_plugin/eviction.py `write_back_moves_state`), so a
+    checkpoint evicted from the device moves (device -> host slot -> SSD) instead of being dropped. So a
+    checkpoint is not on the SSD at creation, and a historical one keeps its device slot until the device
+    evicts it, which is also where eq. 4 prices it (PolicyState.states_priced_on_device). Against
+    `histate-writeback` it measures what the state-only writes add."""
 
-    name = "histate-writeback-server"
+    name = "histate-writeback-via-host"
     checkpoint_write_through = False
 
 

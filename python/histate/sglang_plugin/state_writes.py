@@ -1,0 +1,231 @@
+"""Under `--hicache-write-policy write_back`: each new device checkpoint goes to the SSD at creation, through
+one host state slot that stages it and is freed once the write is agreed (issue 28, item 1; the
+simulator's `histate-writeback`).
+
+Why: write_back copies nothing to the host at insert, and SGLang 0.5.23 writes a state to storage only as
+part of its node's host backup (`build_storage_backup_spec` returns None for a node not backed up,
+unified_tree_core.py:2528-2553). So a checkpoint used to reach the SSD only once the device evicted its
+node; until then asymmetric tiering (`SsdTier.home_historical`) could not retire a historical checkpoint's
+device copy, and eq. 4 had to price every checkpoint by its stay on the device. Writing each one at
+creation takes no host mirror slot: the host keeps KV (what write_back is for), states pass through it.
+
+One write, scheduler thread unless said:
+  1. queued when an insert lands the state on the device (`note_new_checkpoint`), in insert order, the
+     same on every rank;
+  2. started by `start` (once per step, at most `max_in_flight` at once, oldest first): a host MAMBA slot
+     (SGLang's host walk makes room, as for an SSD restore's slot), the D->H copy submitted to SGLang's own
+     transfer engine the way its write-through submits one (`start_writing`, cache_controller.py:884-910:
+     behind the write fence, on its device->host stream; `_l2_transfers` builds the same MAMBA transfer),
+     and the store write queued on an I/O thread that waits for the copy's finish event first. While the
+     copy may still read the device slot the node is locked (SGLang locks a node under write-through the
+     same way), and unlocked once the finish event is seen;
+  3. agreed: each write's (done, stored) rides on the per-step MIN all-reduce (storage_policy.py), in
+     start order. `stored` is whether the store holds the object after the write, not what the write
+     reported (`SsdTier.confirm_backups` counts the same way). Once every rank is done the staging slot is
+     freed; stored on every rank: the SSD bit is set (`SsdTier.on_state_written`); otherwise the object is
+     deleted where a rank holds it, and the state keeps its device copy (the write_back eviction path still
+     backs it up to the host before it leaves the device).
+A write is never retried: a failing disk would take a write per step. Nothing here reads the tree off the
+scheduler thread: the I/O thread gets the key, the host pool, the slot and the event.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .core_nodes import MAMBA, CoreNode
+from .hook_points import parameter_names
+
+logger = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 4  # staging slots one cache uses at once (the host's state slots are few: host_stack.py)
+
+# What `_submit` uses of SGLang's HiCache controller (hybrid_cache_controller.py:865, cache_controller.py:
+# 376, 893-903), checked when the writer is built, so an SGLang that moved them is refused at start rather
+# than failing in the scheduler loop: name -> the parameters HiState was written against (() = an attribute).
+_CONTROLLER_API = {"_l2_transfers": ("host_indices", "device_indices", "pool_transfers"),
+                   "l2_transfer_engine": (), "write_fence_stream": ()}
+
+
+@dataclass
+class _Write:
+    node: CoreNode
+    page_hash: str
+    key: str
+    slot: Any  # the host MAMBA slot staging the state
+    copied: Any  # the D->H copy's finish event
+    unlock: Any  # DecLockRefParams while the copy may read the device slot; None once released
+    write: Future
+    agreed: Optional[tuple] = None  # (done, stored) on every rank, from the last step's all-reduce
+
+
+def eligible(node: CoreNode) -> bool:
+    """A checkpoint the SSD lacks, on the device only: its node is alive, holds a device state and a page
+    hash to key it by, and no host or SSD copy (agreed inputs only)."""
+    data = node.sg.component_data[MAMBA]
+    return (node.is_alive and not node.ssd_state and data.value is not None and data.host_value is None
+            and bool(node.sg.hash_value))
+
+
+class StateWriter:
+    """The state-only SSD writes of one cache (see the module docstring)."""
+
+    def __init__(self, cache: Any, tier: Any, max_in_flight: int = MAX_IN_FLIGHT):
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        controller = cache.cache_controller
+        missing = [name for name, params in _CONTROLLER_API.items()
+                   if not hasattr(controller, name) or (params and parameter_names(getattr(controller, name)) != params)]
+        if missing:
+            raise RuntimeError("HiState cannot write states to the SSD under --hicache-write-policy write_back on this "
+                               f"SGLang: its cache controller's {', '.join(missing)} differ from SGLang 0.5.23's")
+        self.cache = cache
+        self.tier = tier  # the SsdTier: keys, SSD bits, orphans
+        self.host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
+        self.max_in_flight = max(1, min(max_in_flight, self.host_pool.size // 2))
+        self.queued: OrderedDict = OrderedDict()  # id -> CoreNode, insert order
+        self.writes: list = []  # _Write, start order
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="histate-state-write")
+        self.num_started = self.num_stored = self.num_failed = 0
+
+    # --- queue ---------------------------------------------------------------------------------------
+
+    def note_new_checkpoint(self, node: CoreNode) -> None:
+        self.queued[id(node)] = node
+
+    def forget(self, node: CoreNode) -> None:
+        """SGLang removed `node`: a queued write of it is moot (a started one ends as an orphan)."""
+        self.queued.pop(id(node), None)
+
+    def in_flight(self) -> bool:
+        return bool(self.writes)
+
+    # --- start ---------------------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Start queued writes, oldest first, while staging slots allow. Returns how many started."""
+        started = 0
+        while self.queued and len(self.writes) < self.max_in_flight:
+            key, node = next(iter(self.queued.items()))
+            if not eligible(node):
+                del self.queued[key]
+                continue
+            slot = self._alloc_slot()
+            if slot is None:
+                break  # the host has no state slot to stage through now; the queue waits
+            del self.queued[key]
+            self.writes.append(self._submit(node, slot))
+            started += 1
+        self.num_started += started
+        return started
+
+    def _alloc_slot(self) -> Any:
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        slot = self.host_pool.alloc(1)
+        if slot is None:
+            self.cache.evict_host(1, ComponentType.MAMBA)
+            slot = self.host_pool.alloc(1)
+        return slot
+
+    def _submit(self, node: CoreNode, slot: Any) -> _Write:
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+        cache, sg = self.cache, node.sg
+        controller = cache.cache_controller
+        engine = controller.l2_transfer_engine
+        if controller.write_fence_stream is not None:  # under overlap a forward may still write the slot
+            engine.device_to_host_stream.wait_stream(controller.write_fence_stream)
+        device_slot = sg.component_data[MAMBA].value
+        transfers = controller._l2_transfers(
+            slot.new_empty((0,)), device_slot.new_empty((0,)),
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, device_indices=device_slot)])
+        finish = engine.submit_device_to_host(transfers).finish_event
+        unlock = None if finish.query() else cache.inc_lock_ref(sg.id).to_dec_params()
+        page_hash = sg.hash_value[-1]
+        key = self.tier.state_key(page_hash)
+        write = self._io.submit(self._write, key, int(slot[0]), finish)
+        return _Write(node, page_hash, key, slot, finish, unlock, write)
+
+    def _write(self, key: str, host_index: int, copied: Any) -> bool:
+        """I/O thread: the staged state, once copied, to the store."""
+        copied.synchronize()
+        return self.tier.backend.write_state(key, self.host_pool, host_index)
+
+    # --- agreement (storage_policy.py's per-step all-reduce) -----------------------------------------
+
+    def flags(self) -> list:
+        """This rank's (done, stored) of every write in flight, in start order (the same writes on every
+        rank: they start on agreed inputs)."""
+        out = []
+        for job in self.writes:
+            done = job.write.done()
+            ok = done and job.write.exception() is None and bool(job.write.result())
+            out += [int(done), int(ok and self.tier.backend.store.exists(job.key))]
+        return out
+
+    def adopt_flags(self, flags: list) -> None:
+        for job, done, stored in zip(self.writes, flags[0::2], flags[1::2]):
+            job.agreed = (bool(done), bool(stored))
+
+    # --- per step ------------------------------------------------------------------------------------
+
+    def finish(self) -> int:
+        """Release the locks of copies that finished, and end the writes every rank finished (agreed at
+        this step's all-reduce). Returns how many states reached the SSD."""
+        running, stored, failed = [], 0, 0
+        for job in self.writes:
+            self._release_lock(job)
+            if job.agreed is None or not job.agreed[0]:
+                running.append(job)
+                continue
+            self._release_lock(job, force=True)
+            self.host_pool.free(job.slot)
+            if job.agreed[1]:
+                stored += 1
+                self.tier.on_state_written(job.node, job.page_hash, job.key)
+            else:
+                failed += 1
+                self.tier.backend.store.delete(job.key)  # only agreed objects stay on the SSD
+        self.writes = running
+        self.num_stored += stored
+        self.num_failed += failed
+        self.tier.runtime.metrics.record_state_writes(stored=stored, failed=failed)
+        return stored
+
+    def _release_lock(self, job: _Write, force: bool = False) -> None:
+        if job.unlock is not None and (force or job.copied.query()):
+            if job.node.is_alive:
+                self.cache.dec_lock_ref(job.node.sg.id, job.unlock)
+            job.unlock = None
+
+    def check_invariants(self) -> None:
+        """S4 (docs/invariants.md): each staging slot is allocated while its write is in flight, is no
+        node's host value, and its node has no SSD bit yet (the write has not been agreed)."""
+        free = set(self.host_pool.free_slots.tolist()) if hasattr(self.host_pool, "free_slots") else set()
+        for job in self.writes:
+            slot = int(job.slot[0])
+            assert slot not in free, f"S4: the staging slot {slot} of a write in flight is free"
+            assert not job.node.is_alive or not job.node.ssd_state, "S4: a node with a write in flight has its SSD bit"
+            host_value = job.node.sg.component_data[MAMBA].host_value if job.node.is_alive else None
+            assert host_value is None or int(host_value[0]) != slot, f"S4: staging slot {slot} is a node's host value"
+
+    def close(self, reopen: bool = False) -> None:
+        """Detach (or, with `reopen`, a flush of the whole tree): unlock, wait for the writes in flight and
+        delete what they stored, which nothing confirmed. Their staging slots go back to the host pool,
+        except at a flush, which hands the whole pool back itself."""
+        for job in self.writes:
+            self._release_lock(job, force=True)
+            try:
+                job.write.result()
+            except Exception:  # the object is deleted below either way
+                pass
+            if not reopen:
+                self.host_pool.free(job.slot)
+            self.tier.backend.store.delete(job.key)
+        self.writes, self.queued = [], OrderedDict()
+        if not reopen:
+            self._io.shutdown(wait=True)
