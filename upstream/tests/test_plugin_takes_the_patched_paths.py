@@ -419,3 +419,29 @@ def test_0014_the_l3_tier_names_and_reads_objects_through_the_stores_public_help
     ms.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=["s0"], host_indices=torch.tensor([0]))])
     assert tier.pool_present(["s0", "s1"], PoolName.MAMBA) == [True, False]
     assert {"page_objects", "pool_objects", "objects_exist", "get_objects"} <= set(called)
+
+
+def test_0017_write_back_state_writes_copy_through_sglangs_pool_slot_backup(tmp_path, monkeypatch):
+    """Under write_back the state writes stage each checkpoint with SGLang's `backup_pool_slots` (the writer
+    checks no private controller part), and the states reach the SSD as on stock."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    from histate.sglang_plugin import state_writes
+    from histate.sglang_plugin.config import resolve_config
+    from histate.sglang_plugin.server_settings import storage_extra_config
+    from sglang_cpu.hicache import TieredDriver, build_hicache
+    from sglang_cpu.pools import PAGE, ManualClock, build_pools
+
+    assert state_writes.POOL_SLOT_BACKUP_BY_SGLANG and state_writes._CONTROLLER_API == {}
+    calls = []
+    backup = HybridCacheController.backup_pool_slots
+    monkeypatch.setattr(HybridCacheController, "backup_pool_slots",
+                        lambda self, *args: calls.append(args[0]) or backup(self, *args))
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": "64MiB"}, {})
+    pools = build_pools(1024, 32)
+    cache = build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
+                          clock=ManualClock(1.0), write_policy="write_back")
+    TieredDriver(cache, pools).serve(list(range(1, 16 * PAGE + 1)), [4 * PAGE, 8 * PAGE, 16 * PAGE])
+    writes = cache.histate.ssd_tier.state_writes
+    assert (writes.num_started, writes.num_stored) == (3, 3) and len(calls) == 3

@@ -36,6 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
 from .core_nodes import MAMBA, CoreNode
 from .hook_points import parameter_names
 
@@ -43,11 +45,17 @@ logger = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 4  # staging slots one cache uses at once (the host's state slots are few: host_stack.py)
 
-# What `_submit` uses of SGLang's HiCache controller (hybrid_cache_controller.py:865, cache_controller.py:
-# 376, 893-903), checked when the writer is built, so an SGLang that moved them is refused at start rather
-# than failing in the scheduler loop: name -> the parameters HiState was written against (() = an attribute).
-_CONTROLLER_API = {"_l2_transfers": ("host_indices", "device_indices", "pool_transfers"),
-                   "l2_transfer_engine": (), "write_fence_stream": ()}
+POOL_SLOT_BACKUP_BY_SGLANG = hasattr(HybridCacheController, "backup_pool_slots")
+"""upstream/series 0017 applied: SGLang's controller copies a pool's device slots into host slots the caller
+owns (`backup_pool_slots`), and the writer uses no private part of it."""
+
+# What `_copy_to_host` uses of SGLang's HiCache controller on stock 0.5.23 (hybrid_cache_controller.py:865,
+# cache_controller.py:376, 893-903), checked when the writer is built, so an SGLang that moved them is refused
+# at start rather than failing in the scheduler loop: name -> the parameters HiState was written against
+# (() = an attribute).
+_CONTROLLER_API = {} if POOL_SLOT_BACKUP_BY_SGLANG else {
+    "_l2_transfers": ("host_indices", "device_indices", "pool_transfers"),
+    "l2_transfer_engine": (), "write_fence_stream": ()}
 
 
 @dataclass
@@ -132,23 +140,31 @@ class StateWriter:
         return slot
 
     def _submit(self, node: CoreNode, slot: Any) -> _Write:
-        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-
         cache, sg = self.cache, node.sg
-        controller = cache.cache_controller
-        engine = controller.l2_transfer_engine
-        if controller.write_fence_stream is not None:  # under overlap a forward may still write the slot
-            engine.device_to_host_stream.wait_stream(controller.write_fence_stream)
-        device_slot = sg.component_data[MAMBA].value
-        transfers = controller._l2_transfers(
-            slot.new_empty((0,)), device_slot.new_empty((0,)),
-            [PoolTransfer(name=PoolName.MAMBA, host_indices=slot, device_indices=device_slot)])
-        finish = engine.submit_device_to_host(transfers).finish_event
+        finish = self._copy_to_host(slot, sg.component_data[MAMBA].value)
         unlock = None if finish.query() else cache.inc_lock_ref(sg.id).to_dec_params()
         page_hash = sg.hash_value[-1]
         key = self.tier.state_key(page_hash)
         write = self._io.submit(self._write, key, int(slot[0]), finish)
         return _Write(node, page_hash, key, slot, finish, unlock, write)
+
+    def _copy_to_host(self, host_slot: Any, device_slot: Any) -> Any:
+        """Submit the D->H copy of one state; returns its finish event. Under upstream/series 0017 through
+        SGLang's `backup_pool_slots`; on stock 0.5.23 the same steps by hand: behind the write fence (under
+        overlap a forward may still write the slot), on the device->host stream, the MAMBA transfer built by
+        the controller's own `_l2_transfers`."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+        controller = self.cache.cache_controller
+        if POOL_SLOT_BACKUP_BY_SGLANG:
+            return controller.backup_pool_slots(PoolName.MAMBA, host_slot, device_slot).finish_event
+        engine = controller.l2_transfer_engine
+        if controller.write_fence_stream is not None:
+            engine.device_to_host_stream.wait_stream(controller.write_fence_stream)
+        transfers = controller._l2_transfers(
+            host_slot.new_empty((0,)), device_slot.new_empty((0,)),
+            [PoolTransfer(name=PoolName.MAMBA, host_indices=host_slot, device_indices=device_slot)])
+        return engine.submit_device_to_host(transfers).finish_event
 
     def _write(self, key: str, host_index: int, copied: Any) -> bool:
         """I/O thread: the staged state, once copied, to the store."""
@@ -194,6 +210,9 @@ class StateWriter:
         self.num_stored += stored
         self.num_failed += failed
         self.tier.runtime.metrics.record_state_writes(stored=stored, failed=failed)
+        if failed:
+            logger.warning("HiState SSD: %d checkpoint writes were not stored on every rank; they keep their "
+                           "device copies (%d failed so far)", failed, self.num_failed)
         return stored
 
     def _release_lock(self, job: _Write, force: bool = False) -> None:
