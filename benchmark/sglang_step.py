@@ -13,7 +13,7 @@ engine (sglang_cpu/hicache.py: transfers complete at once) and the Python tree c
 SGLang's host tier with its own `file` storage backend; HiState runs its SSD tier (`--enable-histate`
 defaults, plain-file I/O).
 
-    .venv/bin/python benchmark/sglang_step.py [--sessions 16 128 512] [--steps 300]
+    .venv/bin/python benchmark/sglang_step.py [--sessions 16 128 512] [--steps 300] [--write-policy write_back]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _KEEP: list = []  # (cache, its SSD directory) of every run, removed at exit
 HOST_RATIO = 4.0  # host pools 4x the device's: every session's states reach the host and the SSD
 
 
-def _caches(kind: str, num_sessions: int, ssd_dir: str):
+def _caches(kind: str, num_sessions: int, ssd_dir: str, write_policy: str = "write_through"):
     from sglang_cpu.hicache import attach_hicache, hicache_server_args
     from sglang_cpu.pools import PAGE, build_cache, build_pools, publish_server_args
 
@@ -44,13 +44,15 @@ def _caches(kind: str, num_sessions: int, ssd_dir: str):
         config = resolve_config({"enable": True, "ssd_dirs": [ssd_dir], "ssd_backend": "file",
                                  "ssd_size_bytes": "1GiB", "host_state_slots": 2 * num_sessions + 16}, {})
         server_args = hicache_server_args(pools.page_size, max(16, pools.page_size),
-                                          storage_extra=storage_extra_config(None, config), hicache_ratio=HOST_RATIO)
+                                          storage_extra=storage_extra_config(None, config), hicache_ratio=HOST_RATIO,
+                                          hicache_write_policy=write_policy)
         cache = build_cache("histate", pools, histate_config=config)
         return attach_hicache(cache, pools, server_args, config), pools
     from sglang_cpu.hicache import HICACHE_ARGS
 
     server_args = publish_server_args(page_size=pools.page_size, chunk_tokens=max(16, pools.page_size),
-                                      **{**HICACHE_ARGS, "hicache_ratio": HOST_RATIO}, hicache_storage_backend="file",
+                                      **{**HICACHE_ARGS, "hicache_ratio": HOST_RATIO,
+                                         "hicache_write_policy": write_policy}, hicache_storage_backend="file",
                                       hicache_storage_prefetch_policy="wait_complete")
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = ssd_dir
     cache = build_cache("stock", pools)
@@ -62,12 +64,12 @@ def _quantiles(samples_ns: list) -> tuple:
     return statistics.median(ordered) / 1e3, ordered[int(0.99 * (len(ordered) - 1))] / 1e3
 
 
-def run(kind: str, num_sessions: int, num_steps: int) -> dict:
+def run(kind: str, num_sessions: int, num_steps: int, write_policy: str = "write_through") -> dict:
     from sglang_cpu.hicache import drain_backups
     from sglang_cpu.pools import PAGE, Driver
 
     ssd_dir = tempfile.mkdtemp(prefix=f"sglang_step_{kind}_")
-    cache, pools = _caches(kind, num_sessions, ssd_dir)
+    cache, pools = _caches(kind, num_sessions, ssd_dir, write_policy)
     _KEEP.append((cache, ssd_dir))  # torn down at exit: SGLang's storage threads outlive a run
     driver = Driver(cache, pools)
     prompts = [list(range(s * 100_000, s * 100_000 + 4 * PAGE)) for s in range(num_sessions)]
@@ -94,18 +96,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, nargs="+", default=[16, 128, 512])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--write-policy", choices=("write_through", "write_back"), default="write_through",
+                    help="SGLang's --hicache-write-policy for both caches (write_back: HiState writes each "
+                         "checkpoint to the SSD at creation, sglang_plugin/state_writes.py)")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
     from sglang_cpu import stubs
 
     stubs.install()
-    print("per-step thread CPU time of check_hicache_events, µs (median / p99); idle steps, then steps after "
-          "one more turn")
+    print(f"per-step thread CPU time of check_hicache_events, µs (median / p99), {args.write_policy}; idle steps, "
+          "then steps after one more turn")
     print(f"{'sessions':>8} {'cache':>8} {'idle p50':>9} {'idle p99':>9} {'turn p50':>9} {'turn p99':>9} "
           f"{'SSD terminal candidates':>24}")
     for n in args.sessions:
         for kind in ("stock", "histate"):
-            r = run(kind, n, args.steps)
+            r = run(kind, n, args.steps, args.write_policy)
             print(f"{n:>8} {kind:>8} {r['idle'][0]:>9.1f} {r['idle'][1]:>9.1f} {r['busy'][0]:>9.1f} "
                   f"{r['busy'][1]:>9.1f} {'' if r['homing'] is None else r['homing']:>24}", flush=True)
     for _cache, ssd_dir in _KEEP:
