@@ -378,7 +378,11 @@ def test_an_aborted_request_releases_its_restore(sglang_plugins, tmp_path):
     req.init_next_round_input(cache)
     assert not cache.check_prefetch_progress(req.cache_request_handle)
     cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)  # the scheduler's abort path
-    cache.histate.ssd_tier._reader.submit(lambda: None).result()  # the read has ended
+    cache.histate.ssd_tier._reader.submit(lambda: None).result()  # the read has ended, on this rank
+    cache.histate.ssd_tier.reap()
+    # ... but its slot goes back only once every rank's read has ended (the step's all-reduce): a slot freed
+    # at each rank's own moment would leave the host pools' free room different between ranks
+    assert host_pool.available_size() == free_slots - 1
     cache.check_hicache_events()
     assert host_pool.available_size() == free_slots and core_of(node).ckpt_mask == SSD_BIT
     assert all(data.lock_ref == 0 for data in node.component_data)

@@ -4,8 +4,8 @@ Written as it would sit in SGLang's own test tree (no HiState import): a stock `
 Mamba, Python tree core) with SGLang's host tier under `--hicache-write-policy write_back`, on CPU (the CPU
 stand-ins of the test support: host copies complete at once, states copied byte for byte). A cache policy
 stages a node's device state in a host slot it allocated itself, with `HybridCacheController.
-backup_pool_slots`: the host slot then holds the device's bytes, and the tree is untouched (no host value,
-no backup, no ack queued, no host slot allocated by the controller).
+backup_pool_slots`, which returns once the copy finished: the host slot then holds the device's bytes, and
+the tree is untouched (no host value, no backup, no ack queued, no host slot allocated by the controller).
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ def test_a_device_state_is_copied_into_a_host_slot_the_caller_owns(write_back):
     host_pool = cache.host_pool_group.get_pool(PoolName.MAMBA)
     free_before = host_pool.available_size()
     host_slot = host_pool.alloc(1)
-    completion = cache.cache_controller.backup_pool_slots(PoolName.MAMBA, host_slot, device_slot)
-    completion.finish_event.synchronize()
+    assert cache.cache_controller.backup_pool_slots(PoolName.MAMBA, host_slot, device_slot) is None  # it waited
 
     expected = pools.mamba_pool.mamba_cache.temporal[:, int(device_slot[0])]
     assert torch.equal(host_pool.temporal_buffer[int(host_slot[0])][:, 0], expected)

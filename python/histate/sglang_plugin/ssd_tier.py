@@ -796,11 +796,12 @@ class SsdTier:
         return True
 
     def io_flags(self) -> list:
-        """This rank's (done, ok) of every restore in flight, in start order, then those of the state-only
-        writes (state_writes.py): the same on every rank (both start and end on agreed inputs), for the
+        """This rank's (done, ok) of every restore in flight, in start order, then of the abandoned ones
+        (their slots are freed on the agreed done, `reap`), then those of the state-only writes
+        (state_writes.py): the same on every rank (both start and end on agreed inputs), for the
         per-step MIN all-reduce (storage_policy.py)."""
         flags = []
-        for job in self.restores.values():
+        for job in [*self.restores.values(), *self._abandoned]:
             done = job.read.done()
             flags += [int(done), int(done and job.read.exception() is None and bool(job.read.result()))]
         return flags + (self.state_writes.flags() if self.state_writes is not None else [])
@@ -811,8 +812,9 @@ class SsdTier:
         per step for all of them, like SGLang's own prefetch acknowledgements (its `wait_complete` prefetch
         commits through the per-step ack drain: unified_radix_cache.py:2298-2301), instead of one per poll
         per request."""
-        num_restore_flags = 2 * len(self.restores)
-        for job, done, ok in zip(self.restores.values(), flags[0:num_restore_flags:2], flags[1:num_restore_flags:2]):
+        jobs = [*self.restores.values(), *self._abandoned]
+        num_restore_flags = 2 * len(jobs)
+        for job, done, ok in zip(jobs, flags[0:num_restore_flags:2], flags[1:num_restore_flags:2]):
             job.agreed = (bool(done), bool(ok))
         if self.state_writes is not None:
             self.state_writes.adopt_flags(flags[num_restore_flags:])
@@ -884,10 +886,13 @@ class SsdTier:
         self.reap()
 
     def reap(self) -> None:
-        """Free the host slots of abandoned restores whose read ended."""
+        """Free the host slots of abandoned restores whose read ended on every rank (agreed at the step's
+        all-reduce, `io_flags`): a slot freed at each rank's own moment would make the host pools' free room
+        differ between ranks, and the next allocation that depends on it (a restore's, a state write's)
+        would go one way on one rank and the other way on another."""
         running = []
         for job in self._abandoned:
-            if job.read.done():
+            if job.agreed is not None and job.agreed[0]:
                 self._free_slot(job.host_slot)
             else:
                 running.append(job)
@@ -917,7 +922,9 @@ class SsdTier:
         if self.state_writes is not None:
             self.state_writes.close()
         self._reader.shutdown(wait=True)
-        self.reap()
+        for job in self._abandoned:  # every read has ended, and every rank detaches here
+            self._free_slot(job.host_slot)
+        self._abandoned = []
         self.backend.pick_victims = None
         self.backend.admits_kv = None
         self.backend.l3_admits_state = None

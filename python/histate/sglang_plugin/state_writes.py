@@ -12,13 +12,15 @@ creation takes no host mirror slot: the host keeps KV (what write_back is for), 
 One write, scheduler thread unless said:
   1. queued when an insert lands the state on the device (`note_new_checkpoint`), in insert order, the
      same on every rank;
-  2. started by `start` (once per step, at most `max_in_flight` at once, oldest first): a host MAMBA slot
-     (SGLang's host walk makes room, as for an SSD restore's slot), the D->H copy submitted to SGLang's own
-     transfer engine the way its write-through submits one (`start_writing`, cache_controller.py:884-910:
-     behind the write fence, on its device->host stream; `_l2_transfers` builds the same MAMBA transfer),
-     and the store write queued on an I/O thread that waits for the copy's finish event first. While the
-     copy may still read the device slot the node is locked (SGLang locks a node under write-through the
-     same way), and unlocked once the finish event is seen;
+  2. started by `start` (once per step, at most `max_in_flight` at once, oldest first, while the host has a
+     free state slot: staging never evicts a host state): the D->H copy into that slot goes through SGLang's
+     own write steps (`start_writing`, cache_controller.py:884-910: the index placement of
+     `_move_write_operation`, the transfer `_l2_transfers` builds, the write fence, the device->host stream,
+     the allocator's transfer-done event), and the scheduler thread waits for it to finish before it goes
+     on. So no lock is needed and nothing can free, reuse or move the device slot while the copy reads it
+     (SGLang's own write_back backups wait the same way, `writing_check(write_back=True)`); the asynchronous
+     form would need SGLang's move gate (`has_inflight_device_transfers`) to see the copy. Then the store
+     write is queued on an I/O thread;
   3. agreed: each write's (done, stored) rides on the per-step MIN all-reduce (storage_policy.py), in
      start order. `stored` is whether the store holds the object after the write, not what the write
      reported (`SsdTier.confirm_backups` counts the same way). Once every rank is done the staging slot is
@@ -26,7 +28,7 @@ One write, scheduler thread unless said:
      deleted where a rank holds it, and the state keeps its device copy (the write_back eviction path still
      backs it up to the host before it leaves the device).
 A write is never retried: a failing disk would take a write per step. Nothing here reads the tree off the
-scheduler thread: the I/O thread gets the key, the host pool, the slot and the event.
+scheduler thread: the I/O thread gets the key, the host pool and the slot.
 """
 from __future__ import annotations
 
@@ -49,13 +51,14 @@ POOL_SLOT_BACKUP_BY_SGLANG = hasattr(HybridCacheController, "backup_pool_slots")
 """upstream/series 0017 applied: SGLang's controller copies a pool's device slots into host slots the caller
 owns (`backup_pool_slots`), and the writer uses no private part of it."""
 
-# What `_copy_to_host` uses of SGLang's HiCache controller on stock 0.5.23 (hybrid_cache_controller.py:865,
-# cache_controller.py:376, 893-903), checked when the writer is built, so an SGLang that moved them is refused
-# at start rather than failing in the scheduler loop: name -> the parameters HiState was written against
-# (() = an attribute).
+# What `_copy_to_host` uses of SGLang's HiCache controller on stock 0.5.23 (`start_writing`'s steps,
+# cache_controller.py:884-910, hybrid_cache_controller.py:850-905), checked when the writer is built, so an
+# SGLang that moved them is refused at start rather than failing in the scheduler loop: name -> the
+# parameters HiState was written against (() = an attribute).
 _CONTROLLER_API = {} if POOL_SLOT_BACKUP_BY_SGLANG else {
+    "_move_write_operation": ("op",),
     "_l2_transfers": ("host_indices", "device_indices", "pool_transfers"),
-    "l2_transfer_engine": (), "write_fence_stream": ()}
+    "l2_transfer_engine": (), "write_fence_stream": (), "mem_pool_device_allocator": ()}
 
 
 @dataclass
@@ -64,8 +67,6 @@ class _Write:
     page_hash: str
     key: str
     slot: Any  # the host MAMBA slot staging the state
-    copied: Any  # the D->H copy's finish event
-    unlock: Any  # DecLockRefParams while the copy may read the device slot; None once released
     write: Future
     agreed: Optional[tuple] = None  # (done, stored) on every rank, from the last step's all-reduce
 
@@ -121,55 +122,48 @@ class StateWriter:
             if not eligible(node):
                 del self.queued[key]
                 continue
-            slot = self._alloc_slot()
+            slot = self.host_pool.alloc(1)
             if slot is None:
-                break  # the host has no state slot to stage through now; the queue waits
+                break  # no free host state slot to stage through now; the queue waits (nothing is evicted for it)
             del self.queued[key]
             self.writes.append(self._submit(node, slot))
             started += 1
         self.num_started += started
         return started
 
-    def _alloc_slot(self) -> Any:
-        from sglang.srt.mem_cache.unified_cache.components import ComponentType
-
-        slot = self.host_pool.alloc(1)
-        if slot is None:
-            self.cache.evict_host(1, ComponentType.MAMBA)
-            slot = self.host_pool.alloc(1)
-        return slot
-
     def _submit(self, node: CoreNode, slot: Any) -> _Write:
-        cache, sg = self.cache, node.sg
-        finish = self._copy_to_host(slot, sg.component_data[MAMBA].value)
-        unlock = None if finish.query() else cache.inc_lock_ref(sg.id).to_dec_params()
+        sg = node.sg
         page_hash = sg.hash_value[-1]
         key = self.tier.state_key(page_hash)
-        write = self._io.submit(self._write, key, int(slot[0]), finish)
-        return _Write(node, page_hash, key, slot, finish, unlock, write)
+        try:
+            self._copy_to_host(slot, sg.component_data[MAMBA].value)
+        except BaseException:
+            self.host_pool.free(slot)
+            raise
+        self.tier.orphans.claim((key,))  # an orphan's object under this key is this node's now: no trim takes it
+        write = self._io.submit(self.tier.backend.write_state, key, self.host_pool, int(slot[0]))
+        return _Write(node, page_hash, key, slot, write)
 
-    def _copy_to_host(self, host_slot: Any, device_slot: Any) -> Any:
-        """Submit the D->H copy of one state; returns its finish event. Under upstream/series 0017 through
-        SGLang's `backup_pool_slots`; on stock 0.5.23 the same steps by hand: behind the write fence (under
-        overlap a forward may still write the slot), on the device->host stream, the MAMBA transfer built by
-        the controller's own `_l2_transfers`."""
+    def _copy_to_host(self, host_slot: Any, device_slot: Any) -> None:
+        """Copy one state into its staging slot and wait for the copy. Under upstream/series 0017 through
+        SGLang's `backup_pool_slots`; on stock 0.5.23 `start_writing`'s steps by hand (module docstring)."""
+        from sglang.srt.managers.cache_controller import CacheOperation
         from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
         controller = self.cache.cache_controller
         if POOL_SLOT_BACKUP_BY_SGLANG:
-            return controller.backup_pool_slots(PoolName.MAMBA, host_slot, device_slot).finish_event
+            controller.backup_pool_slots(PoolName.MAMBA, host_slot, device_slot)
+            return
+        transfer = PoolTransfer(name=PoolName.MAMBA, host_indices=host_slot, device_indices=device_slot)
+        op = CacheOperation(host_slot.new_empty((0,)), device_slot.new_empty((0,)), -1, pool_transfers=[transfer])
+        host_indices, device_indices, pool_transfers = controller._move_write_operation(op)
         engine = controller.l2_transfer_engine
-        if controller.write_fence_stream is not None:
+        if controller.write_fence_stream is not None:  # under overlap a forward may still write the slot
             engine.device_to_host_stream.wait_stream(controller.write_fence_stream)
-        transfers = controller._l2_transfers(
-            host_slot.new_empty((0,)), device_slot.new_empty((0,)),
-            [PoolTransfer(name=PoolName.MAMBA, host_indices=host_slot, device_indices=device_slot)])
-        return engine.submit_device_to_host(transfers).finish_event
-
-    def _write(self, key: str, host_index: int, copied: Any) -> bool:
-        """I/O thread: the staged state, once copied, to the store."""
-        copied.synchronize()
-        return self.tier.backend.write_state(key, self.host_pool, host_index)
+        finish = engine.submit_device_to_host(
+            controller._l2_transfers(host_indices, device_indices, pool_transfers)).finish_event
+        controller.mem_pool_device_allocator.set_hicache_transfer_done_event((id(self), "state_write"), finish)
+        finish.synchronize()
 
     # --- agreement (storage_policy.py's per-step all-reduce) -----------------------------------------
 
@@ -194,11 +188,9 @@ class StateWriter:
         this step's all-reduce). Returns how many states reached the SSD."""
         running, stored, failed = [], 0, 0
         for job in self.writes:
-            self._release_lock(job)
             if job.agreed is None or not job.agreed[0]:
                 running.append(job)
                 continue
-            self._release_lock(job, force=True)
             self.host_pool.free(job.slot)
             if job.agreed[1]:
                 stored += 1
@@ -215,16 +207,12 @@ class StateWriter:
                            "device copies (%d failed so far)", failed, self.num_failed)
         return stored
 
-    def _release_lock(self, job: _Write, force: bool = False) -> None:
-        if job.unlock is not None and (force or job.copied.query()):
-            if job.node.is_alive:
-                self.cache.dec_lock_ref(job.node.sg.id, job.unlock)
-            job.unlock = None
-
     def check_invariants(self) -> None:
         """S4 (docs/invariants.md): each staging slot is allocated while its write is in flight, is no
         node's host value, and its node has no SSD bit yet (the write has not been agreed)."""
-        free = set(self.host_pool.free_slots.tolist()) if hasattr(self.host_pool, "free_slots") else set()
+        free = set(self.host_pool.free_slots.tolist())
+        for released in getattr(self.host_pool, "release_slots", ()):  # freed, not yet merged back
+            free |= set(released.tolist())
         for job in self.writes:
             slot = int(job.slot[0])
             assert slot not in free, f"S4: the staging slot {slot} of a write in flight is free"
@@ -233,11 +221,10 @@ class StateWriter:
             assert host_value is None or int(host_value[0]) != slot, f"S4: staging slot {slot} is a node's host value"
 
     def close(self, reopen: bool = False) -> None:
-        """Detach (or, with `reopen`, a flush of the whole tree): unlock, wait for the writes in flight and
+        """Detach (or, with `reopen`, a flush of the whole tree): wait for the writes in flight and
         delete what they stored, which nothing confirmed. Their staging slots go back to the host pool,
         except at a flush, which hands the whole pool back itself."""
         for job in self.writes:
-            self._release_lock(job, force=True)
             try:
                 job.write.result()
             except Exception:  # the object is deleted below either way
