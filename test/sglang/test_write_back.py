@@ -186,3 +186,33 @@ def test_the_host_path_without_an_ssd_tier_loses_no_state(sglang_plugins, monkey
           f"tombstones, {recorder.load_backs} load-backs, {len(states.checked)} distinct states compared")
     assert recorder.lost == [], f"states tombstoned with no host copy: {recorder.lost}"
     assert recorder.write_backs >= 40 and recorder.load_backs >= 4 and len(states.checked) >= 60
+
+
+def test_a_state_write_claims_the_orphan_under_its_key_from_the_start(sglang_plugins, tmp_path):
+    """A flush turns every SSD object into an orphan; the same prompt served again writes its states under
+    the same keys. Each write claims the orphan under its key when it starts, not only when it is agreed:
+    until then the trim (or the store's capacity callback on SGLang's backup thread) could delete the object
+    the write will count as stored (the store already holds it, so the write does not write it again)."""
+    from histate.sglang_plugin.config import resolve_config
+    from histate.sglang_plugin.server_settings import storage_extra_config
+    from sglang_cpu.hicache import TieredDriver, build_hicache
+    from sglang_cpu.pools import PAGE, Driver, ManualClock, build_pools
+
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": "64MiB"}, {})
+    pools = build_pools(1024, 32)
+    cache = build_hicache("histate", pools, histate_config=config, storage_extra=storage_extra_config(None, config),
+                          clock=ManualClock(1.0), write_policy="write_back")
+    tier, prompt = cache.histate.ssd_tier, list(range(1, 16 * PAGE + 1))
+    TieredDriver(cache, pools).serve(prompt, [4 * PAGE, 8 * PAGE, 16 * PAGE])
+    keys = sorted(tier.backend.store.keys())
+    assert len(keys) == 3 and not any(key in tier.orphans for key in keys)
+    cache.reset()  # flush_cache: the three objects are orphans now
+    assert all(key in tier.orphans for key in keys)
+    Driver(cache, pools).serve(prompt, [4 * PAGE, 8 * PAGE, 16 * PAGE])  # inserted, no scheduler step yet
+    cache.check_hicache_events()  # a step: the three writes start
+    assert len(tier.state_writes.writes) == 3
+    assert not any(key in tier.orphans for key in keys), "a started write left its key to the trim"
+    cache.check_hicache_events()  # agreed: stored (the store held them already)
+    assert tier.state_writes.num_stored == 6 and sorted(tier.backend.store.keys()) == keys
+    tier.check_invariants()
