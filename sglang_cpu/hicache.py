@@ -157,13 +157,21 @@ def drain_backups(cache: Any, timeout_s: float = 10.0) -> None:
     while cache.ongoing_backup or cache.ongoing_write_through or _state_writes_in_flight(cache):
         if time.monotonic() > deadline:
             raise TimeoutError("storage backups did not finish")
-        time.sleep(0.002)
+        if cache.ongoing_backup or cache.ongoing_write_through:
+            time.sleep(0.002)
+        else:  # only HiState's state writes: wait for their I/O, then the next step agrees them
+            for job in _state_writes(cache).writes:
+                job.write.result(timeout=max(0.0, deadline - time.monotonic()))
         cache.check_hicache_events()
 
 
+def _state_writes(cache: Any) -> Any:
+    """HiState's state-only SSD writes under write_back (sglang_plugin/state_writes.py), or None."""
+    return getattr(getattr(getattr(cache, "histate", None), "ssd_tier", None), "state_writes", None)
+
+
 def _state_writes_in_flight(cache: Any) -> bool:
-    """HiState's state-only SSD writes under write_back (sglang_plugin/state_writes.py) not yet agreed."""
-    writes = getattr(getattr(getattr(cache, "histate", None), "ssd_tier", None), "state_writes", None)
+    writes = _state_writes(cache)
     return writes is not None and writes.in_flight()
 
 

@@ -243,8 +243,10 @@ def test_ranks_with_jittered_clocks_take_identical_decisions(sglang_plugins, mon
     ranks = [Rank(r, group, {"local_clock": JitteredClock(shared, seed=r)}, ssd_config=configs[r],
                   write_policy=write_policy) for r in (0, 1)]
     assert ranks[0].cache.is_write_back == (write_policy == "write_back")
-    assert _in_lockstep(ranks, group, _serve_stream(ranks, _requests(NUM_REQUESTS), shared)) == []
-    assert ranks[0].steps == ranks[1].steps >= MIN_STEPS
+    # with the SSD tier half the stream (5,000+ steps, hundreds of state writes): its steps cost 4x (CI time)
+    num_requests, min_steps = (NUM_REQUESTS // 2, MIN_STEPS // 2) if ssd else (NUM_REQUESTS, MIN_STEPS)
+    assert _in_lockstep(ranks, group, _serve_stream(ranks, _requests(num_requests), shared)) == []
+    assert ranks[0].steps == ranks[1].steps >= min_steps
     assert _first_difference(ranks[0].log, ranks[1].log) is None
     evicted = {entry[1] for entry in ranks[0].log if entry[0] == "evict"}
     assert evicted == {"GPU", "CPU"}, evicted  # decisions under pressure on both tiers were compared

@@ -213,6 +213,8 @@ def test_a_state_write_claims_the_orphan_under_its_key_from_the_start(sglang_plu
     cache.check_hicache_events()  # a step: the three writes start
     assert len(tier.state_writes.writes) == 3
     assert not any(key in tier.orphans for key in keys), "a started write left its key to the trim"
-    cache.check_hicache_events()  # agreed: stored (the store held them already)
+    for job in tier.state_writes.writes:  # the I/O thread's writes end (the store held them already)
+        job.write.result()
+    cache.check_hicache_events()  # agreed: stored
     assert tier.state_writes.num_stored == 6 and sorted(tier.backend.store.keys()) == keys
     tier.check_invariants()
