@@ -115,7 +115,7 @@ class HiStateRuntime:
         """Whether a new checkpoint is written down to the SSD at creation, for eq. 4's pricing: under
         write_back, once an SSD tier exists (state_writes.py; the simulator's `histate-writeback`), and not
         without one (a checkpoint then stays on the device until the device evicts it: `histate-writeback-
-        server`); None: the policy's own rule (write-through does)."""
+        via-host`); None: the policy's own rule (write-through does)."""
         if not self.write_back:
             return None
         return Tier.SSD in self.tiers

@@ -207,8 +207,6 @@ class SsdTier:
 
     def state_key(self, page_hash: str) -> str:
         """The store key of the state SGLang keys by `page_hash`, the last page hash of its node."""
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
         return self.backend.store_key(PoolName.MAMBA, page_hash)
 
     def _kv_keys(self, page_hashes) -> list:
@@ -434,10 +432,7 @@ class SsdTier:
             kept.add(state_key)
         if state_stored:
             if node.sg.hash_value and node.sg.hash_value[-1] == backup.page_hashes[-1]:
-                node.ssd_state = True
-                self.orphans.claim((state_key,))
-                self.runtime.state.on_state_written(self.runtime.now())
-                self.note_state_copy(node)
+                self._state_on_ssd(node, state_key)
             elif state_key not in self.orphans:
                 self._orphan_group((), backup.page_hashes, UNKNOWN_SCORE)
         victims = self.runtime.victims
@@ -484,6 +479,14 @@ class SsdTier:
                 store.delete(key)
                 self.unconfirmed_deleted += 1
 
+    def _state_on_ssd(self, node: CoreNode, key: str) -> None:
+        """`node`'s state object `key` is on every rank's store: its SSD bit, its claim on an orphan under the
+        key, the write's Little's-law sample, and its device and host copies retired once it is historical."""
+        node.ssd_state = True
+        self.orphans.claim((key,))
+        self.runtime.state.on_state_written(self.runtime.now())
+        self.note_state_copy(node)
+
     def on_state_written(self, node: CoreNode, page_hash: str, key: str) -> None:
         """A state-only write (state_writes.py) stored `node`'s state on every rank: the same bookkeeping
         as a confirmed backup's state (`_on_backup_confirmed`). A node that went, or now ends elsewhere
@@ -495,10 +498,7 @@ class SsdTier:
         if node.ssd_state:
             return
         had_checkpoint = bool(node.ckpt_mask)
-        node.ssd_state = True
-        self.orphans.claim((key,))
-        self.runtime.state.on_state_written(self.runtime.now())
-        self.note_state_copy(node)
+        self._state_on_ssd(node, key)
         if not had_checkpoint:
             self.runtime.victims.touch_checkpoint_neighbourhood(node)
         self.runtime.bytes_in(Tier.SSD, self.checkpoint_bytes)
@@ -596,8 +596,6 @@ class SsdTier:
         (`_host_chain`), is made SSD-backed through SGLang's own `write_backup_storage` with its pages
         admitted. Scheduler thread, once per step; every input is agreed (pool usage follows tree
         events, eq. 7 on the agreed clock). Returns backups started."""
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
         from .eviction import takes_host_state
 
         group = self.cache.host_pool_group
@@ -820,7 +818,6 @@ class SsdTier:
             self.state_writes.adopt_flags(flags[num_restore_flags:])
 
     def _start(self, node: CoreNode) -> Optional[_Restore]:
-        from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
         cache, sg = self.cache, node.sg
@@ -857,12 +854,10 @@ class SsdTier:
             cache.dec_lock_ref(sg.id, job.unlock)
 
     def _free_slot(self, slot: Any) -> None:
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
         self.cache.host_pool_group.get_pool(PoolName.MAMBA).free(slot)
 
     def cancel(self, handle: Any) -> None:
-        """The request left (aborted): unlock its node; the slot is freed once the read ends."""
+        """The request left (aborted): unlock its node; the slot is freed once every rank's read ended (`reap`)."""
         self.candidates.pop(handle, None)
         job = self.restores.pop(handle, None)
         if job is None:

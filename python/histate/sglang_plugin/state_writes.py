@@ -184,8 +184,8 @@ class StateWriter:
     # --- per step ------------------------------------------------------------------------------------
 
     def finish(self) -> int:
-        """Release the locks of copies that finished, and end the writes every rank finished (agreed at
-        this step's all-reduce). Returns how many states reached the SSD."""
+        """End the writes every rank finished (agreed at this step's all-reduce): free their staging slots
+        and set the SSD bit of those stored on every rank. Returns how many states reached the SSD."""
         running, stored, failed = [], 0, 0
         for job in self.writes:
             if job.agreed is None or not job.agreed[0]:

@@ -305,13 +305,19 @@ class HiStateStorageBackend(HiCacheStorage):
         with self.io_window.operation("backup", lambda: int(stored[0])):
             if self.store.exists(key):
                 return True
-            page = host_pool.get_data_page(host_index, flat=True)
-            (result,) = self.store.submit_put([(key, page)]).wait()
-            stored[0] = bool(result.stored)
-            if stored[0]:
-                self._count_io(written_bytes=page.numel() * page.element_size())
-                self.num_states += 1
+            (stored[0],) = self._put_slots(host_pool, [(key, host_index)], counts_states=True)
         return stored[0]
+
+    def _put_slots(self, host_pool: Any, slots: list, counts_states: bool) -> List[bool]:
+        """Store host-pool slots, [(store key, host index)], in one put; whether each was stored. Counts the
+        bytes written, and each stored state (`counts_states`)."""
+        pages = [host_pool.get_data_page(index, flat=True) for _, index in slots]
+        done = self.store.submit_put([(key, page) for (key, _), page in zip(slots, pages)]).wait() if slots else []
+        for page, result in zip(pages, done):
+            if result.stored:
+                self._count_io(written_bytes=page.numel() * page.element_size())
+                self.num_states += counts_states
+        return [bool(result.stored) for result in done]
 
     # --- KV pages: the generic page path ---------------------------------------------------------
 
@@ -541,22 +547,15 @@ class HiStateStorageBackend(HiCacheStorage):
         return results
 
     def _set_pool(self, transfer: PoolTransfer, host_pool, page_size: int, keys) -> list:
-        items, flags = [], []
+        flags, todo = [], []
         for i, key in enumerate(keys):
             store_key = self.store_key(transfer.name, key)
-            if self.store.exists(store_key):
-                flags.append(True)
-                continue
-            page = host_pool.get_data_page(int(transfer.host_indices[i * page_size]), flat=True)
-            items.append((len(flags), store_key, page))
-            flags.append(False)
-        done = self.store.submit_put([(k, p) for _, k, p in items]).wait() if items else []
-        for (slot, _, page), result in zip(items, done):
-            flags[slot] = result.stored
-            if result.stored:
-                self._count_io(written_bytes=page.numel() * page.element_size())
-                if transfer.name != KV_POOL:
-                    self.num_states += 1
+            flags.append(self.store.exists(store_key))
+            if not flags[-1]:
+                todo.append((i, store_key, int(transfer.host_indices[i * page_size])))
+        stored = self._put_slots(host_pool, [(k, index) for _, k, index in todo], transfer.name != KV_POOL)
+        for (i, _, _), ok in zip(todo, stored):
+            flags[i] = ok
         if self.l3 is not None:
             self._put_pool_l3(transfer, page_size, keys)
         return flags
