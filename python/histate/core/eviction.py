@@ -65,7 +65,7 @@ class Evictor:
         self.kv_takes_state = policy.kv_eviction_takes_state
         self.sessions = None  # a sessions.SessionRefs for `Policy.session_refs` policies (set by the cache)
         ledger = book.ledger
-        self.heaps: dict = {pool: VictimHeap() for pool in ledger.capacity_bytes}
+        self.heaps: dict = {pool: VictimHeap(state.bound) for pool in ledger.capacity_bytes}
         self.observer = None  # a CacheObserver, set through HybridPrefixCache.observer
         self._deferred = DeferredReoffers()  # re-ranks that wait for the end of the make_room pass
         # host copies of device-held KV, in the order they appeared (SGLang's `full_host_duplicates`);

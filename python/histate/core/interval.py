@@ -128,7 +128,9 @@ def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: flo
     learned = _PointMass(hit_points(start_pages, end_pages, near_end_probs, depth_bins))
     # A checkpoint at c saves at most (c - start) * (mass at or after c): one that cannot pay for
     # itself that way is never chosen.
-    useful = [c for c in learned.positions if (c - start_pages) * learned.mass(c, end_pages) > one]
+    # (position, its index in the sorted positions: the prefix sum below it).
+    useful = [(c, i) for i, c in enumerate(learned.positions)
+              if (c - start_pages) * (learned.prefix[-1] - learned.prefix[i]) > one]
     best_cost, best_plan = math.inf, []
     positions, prefix = learned.positions, learned.prefix
     for interval in sorted(supported, reverse=True):
@@ -145,23 +147,25 @@ def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: flo
             # Each candidate's saving against the grid alone, by arithmetic: the grid point below it,
             # the next one (or the end), and the mass between (`_PointMass.saving`'s same terms).
             heap = []
-            for c in useful:
+            for c, at_c in useful:
                 offset = (c - start_pages) % interval
                 if not offset:
                     continue  # on the grid
-                below = c - offset
-                nxt = min(below + interval, end_pages)
-                mass = prefix[bisect_left(positions, nxt)] - prefix[bisect_left(positions, c)]
+                nxt = c - offset + interval
+                mass = (prefix[bisect_left(positions, nxt)] if nxt < end_pages else prefix[-1]) - prefix[at_c]
                 heap.append((-(offset * mass), c))
             heapq.heapify(heap)
             while heap:
                 _bound, c = heapq.heappop(heap)
                 saving = learned.saving(chosen, c, end_pages)
-                if heap and (-saving, c) > heap[0]:  # stale bound: another candidate may be better now
+                stale = heap and (-saving, c) > heap[0]  # another candidate may be better now
+                if saving <= one + 1e-12:
+                    if stale:
+                        continue  # savings only shrink: this one can never pay for itself, drop it
+                    break  # the best saving left cannot pay for a checkpoint
+                if stale:
                     heapq.heappush(heap, (-saving, c))
                     continue
-                if saving <= one + 1e-12:
-                    break
                 cost -= saving - one
                 insort(chosen, c)
         if cost < best_cost:

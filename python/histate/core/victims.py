@@ -28,6 +28,9 @@ Rank = Callable[[object, UnitKind, int], Optional[float]]
 Accept = Callable[[object, UnitKind, int], bool]
 """accept(node, unit, tier_index) -> whether this walk can use the unit (others stay on the heap)."""
 
+Bound = Callable[[object, UnitKind, int], float]
+"""bound(node, unit, tier bit) -> the lower bound `reoffer` pushes with (cheap: no tree walk)."""
+
 _EPS = 1e-9
 _SEQ = count()  # tie-breaker shared by every heap: entries never compare nodes
 
@@ -73,11 +76,15 @@ class DeferredReoffers:
 class VictimHeap:
     """The candidates of one pool (a tier, or a (tier, kind) pair under a static split)."""
 
-    __slots__ = ("entries", "changes")
+    __slots__ = ("entries", "changes", "bound_of")
 
-    def __init__(self) -> None:
+    def __init__(self, bound_of: Optional[Bound] = None) -> None:
         self.entries: list = []  # (score lower bound, seq, node, unit, tier index, node version)
         self.changes = 0  # pushes, pops and compactions so far: equal counts, the same heap
+        # The bound `reoffer` pushes with. A unit used since it was pushed has a higher one; it goes
+        # back at that bound without being scored (a score may walk the tree), so only units whose
+        # bound is current are scored. Without it every stale bound is replaced by the full score.
+        self.bound_of = bound_of
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -99,7 +106,7 @@ class VictimHeap:
         """`pop_lowest`'s work; returns the chosen heap entry itself (score, seq, node, unit, tier
         index, version), which `peek_lowest` puts back exactly where it was."""
         self.changes += 1
-        entries = self.entries
+        entries, bound_of = self.entries, self.bound_of
         skipped = []
         chosen = None
         rescored_seq = -1  # the entry just put back at its true score: still on top means it is the minimum
@@ -114,6 +121,11 @@ class VictimHeap:
             if accept is not None and not accept(node, unit, t):
                 skipped.append(heapq.heappop(entries))
                 continue
+            if bound_of is not None:
+                fresh = bound_of(node, unit, 1 << t)
+                if fresh > bound + _EPS:  # used since pushed: back at its new bound, unscored
+                    heapq.heapreplace(entries, (fresh, next(_SEQ), node, unit, t, version))
+                    continue
             score = rank(node, unit, t)
             if score is None:
                 heapq.heappop(entries)

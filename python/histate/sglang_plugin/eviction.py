@@ -89,7 +89,7 @@ class TierVictims:
         self.state = state
         self.tree_core: Any = None  # set once SGLang built it
         self.tiers = tiers
-        self.heaps = {t: VictimHeap() for t in ALL_TIERS}
+        self.heaps = {t: VictimHeap(self.state.bound) for t in ALL_TIERS}
         self._deferred = DeferredReoffers()  # re-ranks that wait for the end of the walk
 
     def enable_tier(self, tier: Tier) -> None:
