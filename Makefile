@@ -7,6 +7,7 @@ PIP       := $(VPY) -m pip install -q -c constraints/cpu.txt
 STAMP     := $(VENV)/.histate-installed-v3
 PYTEST    := $(VPY) -m pytest
 HYPOTHESIS_PROFILE ?= ci
+TEST_JOBS ?= 2
 
 .PHONY: help venv demo test test-fast test-gpu gpu-check mutants cpu-server bench golden size clean cluster upstream-check
 
@@ -44,8 +45,8 @@ demo: venv  ## replay ../shared's Weka sessions (--preset paper: the paper's loa
 cluster: venv  ## a loopback fleet (Mooncake L3, 2 histate serve workers, sglang-router): four runs, one killing a worker mid-run, one the store service (docs/scaleout.md)
 	$(VENV)/bin/histate cluster --out out/cluster
 
-test: venv  ## run the CPU test suite (what CI runs)
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PYTEST) test -q
+test: venv  ## run the CPU test suite (what CI runs): TEST_JOBS pytest workers, the tests that start servers all in one
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PYTEST) test -q -n $(TEST_JOBS) --dist loadgroup
 
 upstream-check: venv  ## apply upstream/series to a copy of the installed SGLang and test the copy (docs/upstream.md; also in `make test`)
 	$(VPY) upstream/check.py

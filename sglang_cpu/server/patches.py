@@ -106,6 +106,17 @@ def _unpinned_host_pools(module: Any) -> None:
             cls.__init__ = _unpinned(cls.__init__)
 
 
+def _host_reserve(module: Any) -> None:
+    # SGLang keeps 10 GiB of the host's available memory out of every HiCache host pool
+    # (HICACHE_HOST_MEMORY_RESERVE_BYTES, pool_host/base.py:28, subtracted at :104-107), sized for a GPU
+    # server. The tiny CPU servers here need a few MB of host pool each, but a 24 GiB CI machine running
+    # five of them beside other tests has less than 10 GiB available, and every HiCache server then
+    # refuses to start ("Not enough host memory available"). HISTATE_CPU_SERVER_HOST_RESERVE_GIB (default
+    # 1) replaces the reserve; pools sized explicitly or by SGLang's auto-sizing are otherwise unchanged.
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(float(os.environ.get("HISTATE_CPU_SERVER_HOST_RESERVE_GIB", "1"))
+                                                   * (1 << 30))
+
+
 class _GridLaunch:
     """`kernel[grid](*args)` for a torch function (the grid means nothing on a CPU)."""
 
@@ -279,6 +290,8 @@ PATCHES = (
     Patch("sglang.srt.mem_cache.pool_host.base", "unpinned_host_pools",
           "srt/mem_cache/pool_host/base.py:171-204 (pin_memory used at common.py:349, mha.py:728-733)",
           _unpinned_host_pools),
+    Patch("sglang.srt.mem_cache.pool_host.base", "host_reserve",
+          "srt/mem_cache/pool_host/base.py:28 (subtracted at :104-107)", _host_reserve),
     Patch("sglang.srt.mem_cache.pool_host.mamba", "unpinned_host_pools",
           "srt/mem_cache/pool_host/mamba.py:83-118", _unpinned_host_pools),
     Patch("sglang.srt.mem_cache.allocator.unified_sub_pool", "unified_alloc_torch",

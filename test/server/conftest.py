@@ -71,8 +71,13 @@ class ServerFleet:
             _timings.append((name, server.startup_s, time.monotonic() - self.started_at.pop(name)))
 
     def stop_all(self) -> None:
-        for name in list(self.servers):
-            self.stop(name)
+        """Stop every server at once (each waits up to 30 s for SGLang's own shutdown; one after the
+        other they took ~25 s of every suite run)."""
+        threads = [threading.Thread(target=self.stop, args=(name,)) for name in list(self.servers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
 
 @pytest.fixture(scope="package")
