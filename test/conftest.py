@@ -4,6 +4,7 @@ Profiles: `dev` (quick local runs) and `ci` (derandomized, more steps); choose w
 """
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", max_examples=40, deadline=None)
@@ -36,8 +37,6 @@ _SERVICE_TESTS = ("test/server/", "test/cluster/", "test/l3/", "test/bench/test_
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         services = path.startswith(_SERVICE_TESTS)

@@ -82,7 +82,7 @@ class Evictor:
         """Re-offer `node`'s current units (its old entries become stale)."""
         if node.parent is None:
             return
-        reoffer(node, units_of(node, self.partitioned), self._heap_for, self.state.bound)
+        reoffer(node, units_of(node, self.partitioned), self._heap_for)
 
     def _heap_for(self, unit: UnitKind, tier_index: int) -> VictimHeap:
         return self._heap_of[unit, tier_index]

@@ -129,10 +129,9 @@ def plan_positions(start_pages: int, end_pages: int, checkpoint_pages_equiv: flo
     # A checkpoint at c saves at most (c - start) * (mass at or after c): one that cannot pay for
     # itself that way is never chosen.
     # (position, its index in the sorted positions: the prefix sum below it).
-    useful = [(c, i) for i, c in enumerate(learned.positions)
-              if (c - start_pages) * (learned.prefix[-1] - learned.prefix[i]) > one]
-    best_cost, best_plan = math.inf, []
     positions, prefix = learned.positions, learned.prefix
+    useful = [(c, i) for i, c in enumerate(positions) if (c - start_pages) * (prefix[-1] - prefix[i]) > one]
+    best_cost, best_plan = math.inf, []
     for interval in sorted(supported, reverse=True):
         num_grid = num_intermediate(num_pages, interval)
         cost = one * num_grid + uniform * recompute_cost_pages(num_pages, interval)

@@ -29,7 +29,7 @@ Accept = Callable[[object, UnitKind, int], bool]
 """accept(node, unit, tier_index) -> whether this walk can use the unit (others stay on the heap)."""
 
 Bound = Callable[[object, UnitKind, int], float]
-"""bound(node, unit, tier bit) -> the lower bound `reoffer` pushes with (cheap: no tree walk)."""
+"""bound(node, unit, tier bit) -> a lower bound of the unit's score (cheap: no tree walk)."""
 
 _EPS = 1e-9
 _SEQ = count()  # tie-breaker shared by every heap: entries never compare nodes
@@ -81,9 +81,10 @@ class VictimHeap:
     def __init__(self, bound_of: Optional[Bound] = None) -> None:
         self.entries: list = []  # (score lower bound, seq, node, unit, tier index, node version)
         self.changes = 0  # pushes, pops and compactions so far: equal counts, the same heap
-        # The bound `reoffer` pushes with. A unit used since it was pushed has a higher one; it goes
-        # back at that bound without being scored (a score may walk the tree), so only units whose
-        # bound is current are scored. Without it every stale bound is replaced by the full score.
+        # The lower bound `reoffer` pushes with (required there). A unit used since it was pushed has a
+        # higher one; it goes back at that bound without being scored (a score may walk the tree), so
+        # only units whose bound is current are scored. Without it (entries pushed by hand) every stale
+        # bound is replaced by the full score.
         self.bound_of = bound_of
 
     def __len__(self) -> int:
@@ -170,12 +171,13 @@ class VictimHeap:
         heapq.heapify(self.entries)
 
 
-def reoffer(node, units: Iterable[tuple], heap_for: Callable[[UnitKind, int], VictimHeap],
-            bound: Callable[[object, UnitKind, int], float]) -> None:
-    """Invalidate `node`'s entries and push its current units with a lower bound of their score."""
+def reoffer(node, units: Iterable[tuple], heap_for: Callable[[UnitKind, int], VictimHeap]) -> None:
+    """Invalidate `node`'s entries and push its current units with a lower bound of their score: their
+    heap's own `bound_of`, the function a pop compares the key with to see the unit was used since."""
     node.version += 1
     node.is_parked = False
     if not node.is_alive:
         return
     for unit, t in units:
-        heap_for(unit, t).push(node, unit, t, bound(node, unit, 1 << t))
+        heap = heap_for(unit, t)
+        heap.push(node, unit, t, heap.bound_of(node, unit, 1 << t))

@@ -113,7 +113,7 @@ class TierVictims:
         """Re-offer `node`'s current units (its old entries become stale)."""
         units = self.units(node)
         node.offered = units
-        reoffer(node, units, self._heap_for, self.state.bound)
+        reoffer(node, units, self._heap_for)
 
     def on_change(self, node: CoreNode) -> None:
         """SGLang updated `node`'s leaf-set membership (insert, split, lock release, eviction,
