@@ -10,7 +10,7 @@ Left out: LoRA, priority preemption, HiCache prefetch gates, DLLM, the delayer (
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 def prefill_round(cache: Any, allocator: Any, page_size: int, chunked_req: Optional[Any], waiting: list, *,
@@ -46,3 +46,40 @@ def prefill_round(cache: Any, allocator: Any, page_size: int, chunked_req: Optio
         assert chunked_req is None, "scheduler.py:4326: a new chunked request next to a continuing one"
         chunked_req = adder.new_chunked_req
     return adder, chunked_req
+
+
+def serve_request(rig: Any, req: Any, chunk_tokens: int, check_states: Callable[[], None] = lambda: None) -> list:
+    """One request of a `GdnRig` through the scheduler's steps: the SSD-restore hold, admission rounds
+    (`prefill_round`: load-back of host hits), the passes (`ScheduleBatch.prepare_for_extend` and the GDN
+    layers), the prompt-end insert and release; then backups are acknowledged. `check_states` runs after
+    every insert, before the scheduler step that could home a state. Returns each pass's end."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    from sglang_cpu.hicache import drain_backups
+
+    cache = rig.cache
+    req.init_next_round_input(cache, cow_mamba=False)  # enqueue: Scheduler._prefetch_kvcache (scheduler.py:3344) copies no state
+    while not cache.check_prefetch_progress(req.cache_request_handle):
+        cache.check_hicache_events()  # the scheduler's steps go on; each agrees the SSD reads in flight
+    ends, chunked, waiting = [], None, [req]
+    while waiting or chunked is not None:
+        if chunked is not None:
+            checkpoint_kv_cache(chunked, cache)
+            check_states()
+        adder, chunked = prefill_round(cache, rig.pools.allocator, rig.page, chunked, waiting,
+                                       rem_chunk_tokens=chunk_tokens)
+        assert adder.can_run_list == [req]
+        if waiting:
+            req._hs_admitted = (req.prefix_len, req.mamba_branching_seqlen)
+        waiting = []
+        cache.ready_to_load_host_cache()
+        cache.check_hicache_events()
+        rig.forward([req])
+        ends.append(req.extend_end)
+    checkpoint_kv_cache(req, cache)
+    req.finished_reason = FINISH_LENGTH(length=0)
+    release_kv_cache(req, cache, checkpoint=True)
+    check_states()
+    drain_backups(cache)
+    return ends

@@ -50,10 +50,9 @@ from histate.sim.costs import get_model
 from histate.sim.engine import EngineConfig, EngineRequest
 from histate.sim.workloads import AgentWorkloadConfig, agent_workload
 
-from ._scheduler_round import prefill_round
+from ._scheduler_round import serve_request
 from sglang_cpu import gdn_kernels
-from sglang_cpu.gdn_rig import GRID, PAGE, GdnRig
-from sglang_cpu.hicache import drain_backups
+from sglang_cpu.gdn_rig import GRID, GdnRig
 
 CHUNK = 512  # --chunked-prefill-size of both sides
 # float32 states against a cold prefill: test_capture.py's model-level float32 tolerance. A pass that
@@ -135,39 +134,6 @@ def _pool_name(name: str):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     return getattr(PoolName, name)
-
-
-def _plugin_serve(rig: GdnRig, req, check_states=lambda: None) -> list:
-    """One request through the scheduler's steps: the SSD-restore hold, admission rounds (load-back of
-    host hits), the passes, the prompt-end insert and release; then backups are acknowledged.
-    `check_states` runs after every insert, before the scheduler step that could home a state."""
-    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
-
-    cache = rig.cache
-    req.init_next_round_input(cache, cow_mamba=False)  # enqueue: Scheduler._prefetch_kvcache (scheduler.py:3344) copies no state
-    while not cache.check_prefetch_progress(req.cache_request_handle):
-        cache.check_hicache_events()  # the scheduler's steps go on; each agrees the SSD reads in flight
-    ends, chunked, waiting = [], None, [req]
-    while waiting or chunked is not None:
-        if chunked is not None:
-            checkpoint_kv_cache(chunked, cache)
-            check_states()
-        adder, chunked = prefill_round(cache, rig.pools.allocator, PAGE, chunked, waiting, rem_chunk_tokens=CHUNK)
-        assert adder.can_run_list == [req]
-        if waiting:
-            req._hs_admitted = (req.prefix_len, req.mamba_branching_seqlen)
-        waiting = []
-        cache.ready_to_load_host_cache()
-        cache.check_hicache_events()
-        rig.forward([req])
-        ends.append(req.extend_end)
-    checkpoint_kv_cache(req, cache)
-    req.finished_reason = FINISH_LENGTH(length=0)
-    release_kv_cache(req, cache, checkpoint=True)
-    check_states()
-    drain_backups(cache)
-    return ends
 
 
 class _ColdStates:
@@ -282,7 +248,7 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
         if request.checkpoint_hint_tokens:
             req.sampling_params.custom_params = {HINTS_KEY: list(request.checkpoint_hint_tokens)}
         seen: set = set()
-        plugin_ends = _plugin_serve(rig, req, lambda: states.check(req.rid, tokens, seen))
+        plugin_ends = serve_request(rig, req, CHUNK, lambda: states.check(req.rid, tokens, seen))
         rig.forget(req.rid)
         # every state this request planned and the state it resumed from were among those compared
         assert set(req._hs_plan) <= seen, (i, sorted(set(req._hs_plan) - seen))

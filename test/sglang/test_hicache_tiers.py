@@ -413,8 +413,9 @@ def test_metrics_are_exported_with_sglang_labels(sglang_plugins):
 
     registry = CollectorRegistry()
     metrics = HiStateMetrics({"tp_rank": "0", "pp_rank": "0"}, export=True, registry=registry)
-    metrics.record_match(input_tokens=300, reused_tokens=256, tier="storage")
-    metrics.record_match(input_tokens=100, reused_tokens=0, tier=None)
+    metrics.record_lookup(300)
+    metrics.record_hit(256, "storage")
+    metrics.record_lookup(100)
     metrics.record_eviction("bundle", 0)
     metrics.record_ssd_io(read_bytes=4096, written_bytes=8192)
     metrics.set_checkpoints("host", 7)

@@ -29,7 +29,8 @@ import pytest
 
 from histate.sglang_plugin.core_nodes import MAMBA, core_of
 
-from .test_differential import TRACE, _ColdStates, _plugin_serve, _stream, _Tokens
+from ._scheduler_round import serve_request
+from .test_differential import CHUNK, TRACE, _ColdStates, _stream, _Tokens
 from sglang_cpu import gdn_kernels
 from sglang_cpu.gdn_rig import GRID, GdnRig
 
@@ -54,7 +55,7 @@ def serve_checked(rig: GdnRig, name: str, tokens, states: _ColdStates):
     cache = rig.cache
     req = rig.request(name, tokens)
     seen: set = set()
-    _plugin_serve(rig, req, lambda: states.check(req.rid, tokens, seen))
+    serve_request(rig, req, CHUNK, lambda: states.check(req.rid, tokens, seen))
     rig.forget(req.rid)
     assert set(req._hs_plan) <= seen, (name, sorted(set(req._hs_plan) - seen))
     if req._hs_admitted[0]:

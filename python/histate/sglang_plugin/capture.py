@@ -96,9 +96,18 @@ def pending(req: Any) -> list:
 
 
 def prepare_for_extend_around(original: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """Start the batch's capture list (filled per request by `track_entry_around`)."""
+    """Start the batch's capture list (filled per request by `track_entry_around`). Once SGLang built the
+    batch, each request's prefix is the one it runs from: its hit and miss reasons are settled there
+    (`HiStateRuntime.settle`; the only hook SGLang offers at that point is this one)."""
     setattr(batch, _CAPTURES, [])
-    return original(batch, *args, **kwargs)
+    result = original(batch, *args, **kwargs)
+    cache = histate_cache(batch.tree_cache)
+    if cache is not None:
+        runtime = cache.histate
+        now_s = runtime.now()
+        for req in batch.reqs:
+            runtime.settle(req, now_s)
+    return result
 
 
 def track_entry_around(original: Any, batch: Any, req: Any) -> Any:

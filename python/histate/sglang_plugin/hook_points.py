@@ -79,7 +79,8 @@ REGISTRY_HOOKS: tuple = (
     HookPoint('sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend',
               'AROUND', 'capture', 'srt/managers/schedule_batch.py:2847',
               ('self',),
-              "starts the batch's capture list"),
+              "starts the batch's capture list; then settles each request's hit and miss reasons to the "
+              "prefix its pass runs from"),
     HookPoint('sglang.srt.managers.schedule_batch.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend',
               'AROUND', 'capture', 'srt/managers/schedule_batch.py:3137',
               ('self', 'req'),

@@ -6,7 +6,9 @@ its collectors create series with the `sglang:` prefix and the rank labels of
 `radix_cache_metric_labels`. HiState's series follow the same conventions so they appear on the
 same /metrics page next to `sglang:evicted_tokens_total` and friends:
 
-  sglang:histate_prefix_hits_total{tier}        matches that reused a checkpoint, by its tier
+  sglang:histate_prefix_hits_total{tier}        requests whose first pass resumed from a checkpoint, by
+                                                the tier it was in when matched (a host hit SGLang could
+                                                not load back counts at the device prefix it used)
   sglang:histate_reused_tokens_total            tokens reused (DESIGN.md hit accounting: c)
   sglang:histate_input_tokens_total             tokens looked up (hit rate = reused / input)
   sglang:histate_checkpoints{tier}              checkpoints resident per tier (gauge)
@@ -102,7 +104,7 @@ class HiStateMetrics:
             self._extra_names[key] = tuple(extra)
             self._prom[key] = make_counter(key, doc, tuple(extra))
 
-        counter("prefix_hits_total", "Prefix matches that reuse a checkpoint, by the checkpoint's tier.",
+        counter("prefix_hits_total", "Requests that resumed from a checkpoint, by the checkpoint's tier.",
                 ("tier",))
         counter("reused_tokens_total", "Tokens reused without recomputation (KV + a checkpoint).")
         counter("input_tokens_total", "Tokens looked up in the cache (denominator of the hit rate).")
@@ -148,12 +150,14 @@ class HiStateMetrics:
         if series is not None and amount:
             series.labels(**self.labels, **extra).inc(amount)
 
-    def record_match(self, *, input_tokens: int, reused_tokens: int, tier: Optional[str]) -> None:
-        """One lookup; `tier` is where the reused checkpoint lives (None: nothing reused)."""
+    def record_lookup(self, input_tokens: int) -> None:
+        """A request's first match."""
         self._inc("input_tokens_total", input_tokens)
-        if reused_tokens > 0 and tier is not None:
-            self._inc("reused_tokens_total", reused_tokens)
-            self._inc("prefix_hits_total", 1, tier=tier)
+
+    def record_hit(self, reused_tokens: int, tier: str) -> None:
+        """A request's first pass resumes from a checkpoint `reused_tokens` deep that was in `tier`."""
+        self._inc("reused_tokens_total", reused_tokens)
+        self._inc("prefix_hits_total", 1, tier=tier)
 
     def record_misses(self, tokens_by_reason: Mapping[str, int]) -> None:
         """One request's uncached prompt tokens by reason (core/misses.py)."""

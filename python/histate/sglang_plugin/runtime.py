@@ -38,6 +38,15 @@ TOOL_WAIT_EVENTS = ("held", "expired", "back_in_time", "back_late")
 CHAIN_ATTR = "_hs_chain"
 """Underscore attribute on SGLang's `Req`: the `tool_wait.Chain` of its latest match (tool-wait residency)."""
 
+CLAIM_ATTR = "_hs_claim"
+"""Underscore attribute on SGLang's `Req`: (tokens, tier) of the checkpoint its latest match would resume
+from (`on_match`); the hit is counted only once the first pass shows what it did resume from (`settle`)."""
+
+SETTLED_ATTR = "_hs_settled"
+"""Underscore attribute on SGLang's `Req`: its first pass was built, its hit and misses are final."""
+
+_TIER_ORDER = {name: rank for rank, name in enumerate(SGLANG_TIER_NAMES[t] for t in (Tier.GPU, Tier.CPU, Tier.SSD))}
+
 
 @dataclasses.dataclass(frozen=True)
 class MatchedReuse:
@@ -206,9 +215,9 @@ class HiStateRuntime:
             req._hs_observed = True  # a retried admission is not evidence twice
             diverged_in = path[-1] if path else None
             self.state.observe_match(kv_match_tokens, self.state.end_offset(diverged_in, kv_match_tokens))
-            mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
-            self.metrics.record_match(input_tokens=input_tokens, reused_tokens=ckpt_node.depth_pages if mask else 0,
-                                      tier=SGLANG_TIER_NAMES[fastest_tier(mask)] if mask else None)
+            self.metrics.record_lookup(input_tokens)
+        if req is not None and not getattr(req, SETTLED_ATTR, False):
+            self._claim(req, ckpt_node)
         if req is not None and self.misses is not None and key is not None:
             self._attribute_misses(req, key, kv_match_tokens, ckpt_node, now_s)
         if req is not None and self.holds is not None:  # the latest match counts (a retried admission)
@@ -239,15 +248,72 @@ class HiStateRuntime:
                 self.metrics.record_tool_wait(event, counts[event] - seen.get(event, 0))
         self._tool_wait_counted = counts
 
+    @staticmethod
+    def _claim(req: Any, ckpt_node: Optional[CoreNode]) -> None:
+        """Remember what this match would resume from. A request held for an SSD restore matches the same
+        checkpoint again once it is on the host: the slowest tier seen at that depth is the hit's tier
+        (the restore is what the hit cost)."""
+        mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
+        claim = (ckpt_node.depth_pages, SGLANG_TIER_NAMES[fastest_tier(mask)]) if mask else (0, None)
+        before = getattr(req, CLAIM_ATTR, None)
+        if before is not None and before[0] == claim[0] and claim[1] is not None \
+                and _TIER_ORDER[before[1]] > _TIER_ORDER[claim[1]]:
+            claim = before
+        setattr(req, CLAIM_ATTR, claim)
+
+    def settle(self, req: Any, now_s: float) -> None:
+        """SGLang built the request's first pass: `req.prefix_len` is what it resumes from, and SGLang's
+        `cached_tokens` is counted from it, once (schedule_batch.py:2965-2974). A match promises more
+        than that when a host hit's load-back does not go through (the device could not make room; SGLang
+        then prefills from the device prefix, schedule_policy.py:1516-1561), so the hit is counted here,
+        at the prefix admitted, and the miss attribution is settled to it: the promised tokens that did
+        not come back are `not_restored`. Later matches (a retracted request queued again) change
+        neither, as SGLang's cached_tokens does not change either."""
+        if getattr(req, SETTLED_ATTR, False):
+            return
+        req._hs_settled = True
+        reused_tokens = int(req.prefix_len)
+        claimed_tokens, claimed_tier = getattr(req, CLAIM_ATTR, None) or (0, None)
+        if reused_tokens > 0:
+            if reused_tokens == claimed_tokens:
+                tier = claimed_tier
+            else:  # not what the match promised: where SGLang took the state it resumes from
+                tier = SGLANG_TIER_NAMES[Tier.CPU if getattr(req, "host_loaded_length", 0) else Tier.GPU]
+            self.metrics.record_hit(reused_tokens, tier)
+        if self.misses is not None and getattr(req, MISS_ATTR, None) is not None:
+            self._settle_misses(req, reused_tokens, now_s)
+
     def _attribute_misses(self, req: Any, key: Any, kv_match_tokens: int, ckpt_node: Optional[CoreNode],
                           now_s: float) -> None:
         """Why this match leaves tokens uncached (miss_tracker.py): kept on the request (the latest match
-        wins; counted once it leaves) and in its response's meta_info. `key`: SGLang's match key."""
+        before its first pass wins; counted once it leaves) and in its response's meta_info. `key`:
+        SGLang's match key."""
+        if getattr(req, SETTLED_ATTR, False):
+            return
         origin = getattr(req, "origin_input_ids", None)
         prompt_tokens = len(origin) if origin is not None else len(key) + 1
         keys = self.misses.page_keys(req, key, min(len(key), prompt_tokens - 1))
         reused = ckpt_node.depth_pages if ckpt_node is not None else 0
-        attribution = self.misses.attribute(keys, prompt_tokens, kv_match_tokens, reused)
+        self._set_attribution(req, self.misses.attribute(keys, prompt_tokens, kv_match_tokens, reused), now_s)
+        req._hs_miss_inputs = (keys, prompt_tokens, kv_match_tokens)
+
+    def _settle_misses(self, req: Any, reused_tokens: int, now_s: float) -> None:
+        attribution = getattr(req, MISS_ATTR)
+        keys, prompt_tokens, kv_match_tokens = req._hs_miss_inputs
+        promised = prompt_tokens - sum(attribution.tokens_by_reason.values())
+        if reused_tokens < promised:  # the promised tokens that did not come back (`settle`)
+            tokens = dict(attribution.tokens_by_reason)
+            tokens["not_restored"] += promised - reused_tokens
+            attribution = dataclasses.replace(attribution, tokens_by_reason=tokens)
+        elif reused_tokens > promised:  # resumed deeper than the match said (not expected): attribute again
+            attribution = self.misses.attribute(keys, prompt_tokens, max(kv_match_tokens, reused_tokens),
+                                                reused_tokens)
+        else:
+            return
+        self._set_attribution(req, attribution, now_s)
+
+    @staticmethod
+    def _set_attribution(req: Any, attribution: Any, now_s: float) -> None:
         setattr(req, MISS_ATTR, attribution)
         info = getattr(req, "customized_info", None)
         if info is None:

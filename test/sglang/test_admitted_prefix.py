@@ -1,0 +1,106 @@
+"""A request's hit and miss reasons count the prefix its first pass runs from, not what its match promised.
+
+A match can promise more than the request gets: a checkpoint restored from SSD to the host is an ordinary
+host hit, and SGLang loads it back to the device only if the device makes room (`load_back`,
+unified_radix_cache.py:1820-1934); if not, the request prefills from its device prefix
+(schedule_policy.py:1516-1561) and SGLang's `cached_tokens` says so. HiState's hit counters and miss
+reasons must then agree with `cached_tokens` (the uncached tokens it could not bring back are
+`not_restored`, docs/misses.md), as `histate bench` and the server tests check on every response. Before,
+both were taken at the match, and a load-back that did not go through (the device short of room while
+other requests ran) left the reasons summing to more reuse than the response reported (a CI failure of
+test/server/test_clients_and_metrics.py).
+
+Here: a request A with an application-placed checkpoint at 512 tokens (docs/hints.md) whose state goes
+to SSD alone once A moves past it; then a request B on A's first 512 tokens. Without a fault B resumes at
+512 from the restored state (a storage hit); with the load-back refused (the fault, counted) B recomputes
+from 0, and the 512 tokens are `not_restored`. Expectations come from how the prompts were built.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from histate.core import SSD_BIT
+from histate.sglang_plugin.checkpoint_hints import HINTS_KEY
+from histate.sglang_plugin.config import resolve_config
+from histate.sglang_plugin.core_nodes import core_of
+
+from ._scheduler_round import serve_request
+from sglang_cpu import gdn_kernels
+from sglang_cpu.gdn_rig import GRID, GdnRig
+
+HINT_TOKENS = 8 * GRID  # where A asks for a checkpoint
+A_TOKENS = 16 * GRID + 10
+B_NEW_TOKENS = 3 * GRID + 5
+
+
+def _tokens(rng: random.Random, n: int) -> list:
+    return [rng.randrange(512) for _ in range(n)]
+
+
+def _rig(tmp_path):
+    config = resolve_config({"enable": True, "ssd_dirs": [str(tmp_path / "ssd")], "ssd_backend": "file",
+                             "ssd_size_bytes": "64MiB", "intervals_tokens": "1024", "miss_reasons": True}, {})
+    return GdnRig("fp32", config, mamba_slots=64, kv_tokens=1 << 13, hicache_ratio=4.0, clock=lambda: 0.0,
+                  kv_heads=4, kv_head_dim=32)
+
+
+def _node_at(cache, tokens: list):
+    node, depth = cache.tree_core.root_node, 0
+    while depth < len(tokens):
+        node = next(c for c in node.children.values()
+                    if list(c.key.token_ids[:len(c.key)]) == tokens[depth:depth + len(c.key)])
+        depth += len(node.key)
+    assert depth == len(tokens), "no node ends there"
+    return node
+
+
+def _serve_a_then_b(tmp_path, refuse_load_back: bool):
+    rig = _rig(tmp_path)
+    cache = rig.cache
+    rng = random.Random(7)
+    a_tokens = _tokens(rng, A_TOKENS)
+    a = rig.request("a", a_tokens)
+    a.sampling_params.custom_params = {HINTS_KEY: [HINT_TOKENS]}
+    serve_request(rig, a, chunk_tokens=4096)
+    cache.check_hicache_events()  # the step after the SSD write was acknowledged homes the state
+    assert core_of(_node_at(cache, a_tokens[:HINT_TOKENS])).ckpt_mask == SSD_BIT  # on SSD alone
+    b_tokens = a_tokens[:HINT_TOKENS] + _tokens(rng, B_NEW_TOKENS)
+    b = rig.request("b", b_tokens)
+    refused = []
+    if refuse_load_back:  # the device could not make room for the restored state (the fault)
+        cache.load_back = lambda *args, **kwargs: (refused.append(args), False)[1]
+    serve_request(rig, b, chunk_tokens=4096)
+    return cache, b, refused
+
+
+@pytest.mark.parametrize("refuse_load_back", [False, True], ids=["loaded", "load_back_refused"])
+def test_hit_and_misses_count_the_prefix_the_first_pass_ran_from(sglang_plugins, monkeypatch, tmp_path,
+                                                                 refuse_load_back):
+    gdn_kernels.install(monkeypatch)
+    cache, b, refused = _serve_a_then_b(tmp_path, refuse_load_back)
+    totals = cache.histate.metrics.totals
+    misses = dict(b._hs_misses.tokens_by_reason)
+    b_tokens = HINT_TOKENS + B_NEW_TOKENS
+    # SGLang matches at most the first L-1 tokens: the new whole grid pages are no_prefix, the rest past
+    # the last whole page page_boundary
+    new_pages = (b_tokens - 1) // GRID - HINT_TOKENS // GRID
+    assert misses["no_prefix"] == new_pages * GRID
+    assert misses["page_boundary"] == b_tokens - (b_tokens - 1) // GRID * GRID
+    assert sum(misses.values()) == b_tokens - b.cached_tokens  # what the response reports
+    assert totals[("ssd_restores_total", "ok")] == 1  # the state came back to the host either way
+    if refuse_load_back:
+        assert refused, "the fault did not fire"
+        assert b.cached_tokens == 0
+        assert misses["not_restored"] == HINT_TOKENS
+        assert totals.get(("prefix_hits_total", "storage"), 0) == 0
+        assert totals.get("reused_tokens_total", 0) == 0
+    else:
+        assert b.cached_tokens == HINT_TOKENS
+        assert misses["not_restored"] == 0
+        assert totals[("prefix_hits_total", "storage")] == 1  # restored before admission
+        assert totals["reused_tokens_total"] == HINT_TOKENS
+    # the response carries the settled reasons
+    (meta,) = b.customized_info["histate_miss"]
+    assert meta["tokens"] == misses
