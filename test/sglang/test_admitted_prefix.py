@@ -29,6 +29,7 @@ from histate.sglang_plugin.core_nodes import core_of
 from ._scheduler_round import serve_request
 from sglang_cpu import gdn_kernels
 from sglang_cpu.gdn_rig import GRID, GdnRig
+from sglang_cpu.pools import key
 
 HINT_TOKENS = 8 * GRID  # where A asks for a checkpoint
 A_TOKENS = 16 * GRID + 10
@@ -104,3 +105,14 @@ def test_hit_and_misses_count_the_prefix_the_first_pass_ran_from(sglang_plugins,
     # the response carries the settled reasons
     (meta,) = b.customized_info["histate_miss"]
     assert meta["tokens"] == misses
+    # matched again (a retracted request queued again), it keeps its first admission's, as SGLang keeps
+    # its cached_tokens (schedule_batch.py:2965-2968); the prefix is now on the device, a different match
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    def hit_counters():
+        return {k: v for k, v in totals.items()
+                if (k if isinstance(k, str) else k[0]) in ("reused_tokens_total", "prefix_hits_total")}
+
+    before = hit_counters()
+    cache.match_prefix(MatchPrefixParams(key=key(list(b.origin_input_ids)[:-1]), req=b))
+    assert dict(b._hs_misses.tokens_by_reason) == misses and hit_counters() == before
