@@ -46,3 +46,18 @@ def test_a_run_that_is_not_a_directory_is_refused_with_its_flag(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--runs", f"plain={tmp_path / 'missing'}"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--runs" in done.stderr and "missing" in done.stderr
+
+
+def test_a_host_sweep_plots_one_row_against_the_host_size(tmp_path):
+    plot = _load()
+    runs = [(str(size), _run_dir(tmp_path / f"cpu{size}", {"histate": 1.0 + 0.01 * size, "histate-writeback": 0.9}))
+            for size in (64, 48)]
+    assert plot._spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 1.0)
+    out = tmp_path / "sweep.png"
+    argv = [sys.executable, str(SCRIPT), "--host-sweep", "base", "--metric", "ttft_p95_s", "--out", str(out), "--runs"]
+    done = subprocess.run(argv + [f"{label}={path}" for label, path in runs], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.stat().st_size > 10_000
+    # a label that is not a size is refused, naming the flag
+    done = subprocess.run(argv + [f"big={runs[0][1]}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "--runs" in done.stderr and "host size" in done.stderr
