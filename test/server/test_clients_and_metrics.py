@@ -46,8 +46,10 @@ def test_histate_bench_against_sglang_with_histate(servers, tmp_path):
     # the server runs with --histate-miss-reasons: the client files its reasons, one column each, adding up
     with (out / "requests.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert rows and all(sum(int(row[f"miss_tokens_{r}"]) for r in MISS_REASONS)
-                        == int(row["input_tokens"]) - int(row["reused_tokens"]) for row in rows)
+    unbalanced = [{k: v for k, v in row.items() if k.startswith(("uid", "input", "reused", "kv_hit", "miss_tokens"))}
+                  for row in rows if sum(int(row[f"miss_tokens_{r}"]) for r in MISS_REASONS)
+                  != int(row["input_tokens"]) - int(row["reused_tokens"])]
+    assert rows and not unbalanced, unbalanced
     assert sum(stats["miss_tokens_by_reason"].values()) == stats["input_tokens"] - stats["reused_tokens"]
 
 
