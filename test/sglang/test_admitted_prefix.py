@@ -116,3 +116,47 @@ def test_hit_and_misses_count_the_prefix_the_first_pass_ran_from(sglang_plugins,
     before = hit_counters()
     cache.match_prefix(MatchPrefixParams(key=key(list(b.origin_input_ids)[:-1]), req=b))
     assert dict(b._hs_misses.tokens_by_reason) == misses and hit_counters() == before
+
+
+def test_a_checkpoint_homed_to_the_ssd_after_the_requests_first_match_is_restored_before_it_runs(
+        sglang_plugins, monkeypatch, tmp_path):
+    """SGLang holds a request for HiState's restore before its admission match (scheduler.py:4240-4258). B
+    is queued before A has run; A then leaves a checkpoint on B's path that is homed to the SSD alone
+    before B's admission, so only B's admission match sees it. B skips that round
+    (restore_recheck.py, SGLang's own `_prefetch_after_device_hit_loss` point), the next round's hold
+    restores the state, and B resumes at 512 instead of recomputing it (before: cached_tokens 0)."""
+    from types import SimpleNamespace
+
+    from histate.sglang_plugin.restore_recheck import MAX_RECHECKS, prefetch_after_device_hit_loss_around
+
+    gdn_kernels.install(monkeypatch)
+    rig = _rig(tmp_path)
+    cache = rig.cache
+    rng = random.Random(7)
+    a_tokens = _tokens(rng, A_TOKENS)
+    b = rig.request("b", a_tokens[:HINT_TOKENS] + _tokens(rng, B_NEW_TOKENS))
+    b.init_next_round_input(cache, cow_mamba=False)  # queued (Scheduler._prefetch_kvcache): nothing cached
+    assert b.prefix_len == 0
+    a = rig.request("a", a_tokens)
+    a.sampling_params.custom_params = {HINTS_KEY: [HINT_TOKENS]}
+    serve_request(rig, a, chunk_tokens=4096)
+    cache.check_hicache_events()
+    assert core_of(_node_at(cache, a_tokens[:HINT_TOKENS])).ckpt_mask == SSD_BIT
+    # B's admission round, in the scheduler's order: the hold, the admission match, SGLang's re-check
+    assert cache.check_prefetch_progress(b.cache_request_handle)  # nothing its earlier match noted
+    b.init_next_round_input(cache)
+    assert b.prefix_len == 0  # SGLang's match sees no state at 512: admitted now, B would recompute it
+    scheduler = SimpleNamespace(tree_cache=cache)
+    not_lost = lambda scheduler, req: False  # SGLang's own re-check (no L3 lookup of its own here)
+    assert prefetch_after_device_hit_loss_around(not_lost, scheduler, b)  # B waits a round
+    serve_request(rig, b, chunk_tokens=4096)  # the next rounds: the hold restores, B is admitted
+    assert b.cached_tokens == HINT_TOKENS
+    assert cache.histate.metrics.totals[("ssd_restores_total", "ok")] == 1
+    assert b._hs_misses.tokens_by_reason["not_restored"] == 0
+    # bounded: a request is skipped at most MAX_RECHECKS times
+    cache.check_hicache_events()  # B moved on: the state is homed to the SSD alone again
+    assert core_of(_node_at(cache, a_tokens[:HINT_TOKENS])).ckpt_mask == SSD_BIT
+    c = rig.request("c", a_tokens[:HINT_TOKENS] + _tokens(rng, B_NEW_TOKENS))
+    c.init_next_round_input(cache)
+    skips = [prefetch_after_device_hit_loss_around(not_lost, scheduler, c) for _ in range(MAX_RECHECKS + 1)]
+    assert skips == [True] * MAX_RECHECKS + [False]

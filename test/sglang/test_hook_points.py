@@ -124,10 +124,11 @@ def test_every_registry_hook_the_plugin_installs_is_listed_and_every_listed_one_
     from histate.sglang_plugin.chunking import install_chunk_planning
     from histate.sglang_plugin.host_stack import install_host_policy
     from histate.sglang_plugin.miss_tracker import install_meta_info_hook
+    from histate.sglang_plugin.restore_recheck import install_restore_recheck
     from histate.sglang_plugin.short_prefill import install_short_prefill_first
 
     for install in (install_scheduler_hooks, install_forward_hooks, install_chunk_planning, install_host_policy,
-                    install_short_prefill_first, install_meta_info_hook, install_hint_check):
+                    install_short_prefill_first, install_meta_info_hook, install_hint_check, install_restore_recheck):
         install()
     ours = {target for target, entries in HookRegistry._hooks.items()
             if any(getattr(entry[1], "__module__", "").startswith("histate.") for entry in entries)}

@@ -272,6 +272,8 @@ class HiStateRuntime:
         if getattr(req, SETTLED_ATTR, False):
             return
         req._hs_settled = True
+        if self.ssd_tier is not None and hasattr(req, "cache_request_handle"):
+            self.ssd_tier.forget_request(req.cache_request_handle)
         reused_tokens = int(req.prefix_len)
         claimed_tokens, claimed_tier = getattr(req, CLAIM_ATTR, None) or (0, None)
         if reused_tokens > 0:

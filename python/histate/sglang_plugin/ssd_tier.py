@@ -763,25 +763,41 @@ class SsdTier:
     # --- restores ----------------------------------------------------------------------------------
 
     def note_match(self, handle: Any, ckpt_node: Optional[CoreNode]) -> None:
-        """A request matched; remember the checkpoint to restore when it is next up for admission."""
+        """A request matched; remember the checkpoint to restore when it is next up for admission. SGLang
+        asks for that (`check_prefetch_progress`) before the admission's own match (scheduler.py:4240-4258):
+        a checkpoint only that match finds on the SSD makes the request wait one more round
+        (restore_recheck.py)."""
         if ckpt_node is not None and ckpt_node.ckpt_mask == SSD_BIT:
             self.candidates[handle] = ckpt_node
         else:
             self.candidates.pop(handle, None)
+
+    def restore_pending(self, handle: Any) -> bool:
+        """Whether the request's latest match left a checkpoint on the SSD alone to restore, and no restore
+        of it runs yet (restore_recheck.py)."""
+        return handle not in self.restores and self._restorable(handle, self.candidates.get(handle))
+
+    def _restorable(self, handle: Any, node: Optional[CoreNode]) -> bool:
+        if node is None or not node.is_alive or node.ckpt_mask != SSD_BIT:
+            return False
+        # SGLang's own L3 prefetch for this request (whose hold ended just before this) may have brought KV
+        # and a state from past the matched path, deeper than this checkpoint, noted at the earlier match:
+        # the restore would only take a host slot, evicting what the prefetch just landed
+        # (unified_radix_cache.py:2391-2420, 2518; the counts are rank-agreed).
+        return not self.cache.prefetch_loaded_tokens_by_reqid.get(handle, 0)
+
+    def forget_request(self, handle: Any) -> None:
+        """The request was admitted (its first pass is built): nothing of it is left to restore (an
+        admission match that noted a checkpoint, past `restore_recheck.MAX_RECHECKS`, would stay here)."""
+        self.candidates.pop(handle, None)
 
     def restore_ready(self, handle: Any) -> bool:
         """False while the request waits for its checkpoint (scheduler thread, admission loop)."""
         job = self.restores.get(handle)
         if job is None:
             node = self.candidates.pop(handle, None)
-            if node is None or not node.is_alive or node.ckpt_mask != SSD_BIT:
+            if not self._restorable(handle, node):
                 return True  # nothing (left) to restore: these inputs are the same on every rank
-            if self.cache.prefetch_loaded_tokens_by_reqid.get(handle, 0) > 0:
-                # SGLang's own L3 prefetch for this request (whose hold ended just before this) brought
-                # KV and a state from past the matched path, deeper than this checkpoint, noted at the
-                # earlier match: the restore would only take a host slot, evicting what the prefetch
-                # just landed (unified_radix_cache.py:2391-2420, 2518; the counts are rank-agreed).
-                return True
             job = self._start(node)
             if job is None:
                 return True

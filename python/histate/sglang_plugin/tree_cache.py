@@ -441,6 +441,10 @@ def histate_cache_factory(ctx: Any) -> Any:
         install_meta_info_hook()
     install_scheduler_hooks()
     install_forward_hooks()
+    if config.has_ssd:
+        from .restore_recheck import install_restore_recheck
+
+        install_restore_recheck()
     with histate_build_scope(config):
         cache = create_unified_radix_cache(ctx, cache_class=HiStateRadixCache)
     logger.info("HiState tree cache ready: %s", config.describe())
