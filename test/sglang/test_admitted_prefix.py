@@ -152,6 +152,7 @@ def test_a_checkpoint_homed_to_the_ssd_after_the_requests_first_match_is_restore
     serve_request(rig, b, chunk_tokens=4096)  # the next rounds: the hold restores, B is admitted
     assert b.cached_tokens == HINT_TOKENS
     assert cache.histate.metrics.totals[("ssd_restores_total", "ok")] == 1
+    assert cache.histate.metrics.totals["ssd_restore_rechecks_total"] == 1
     assert b._hs_misses.tokens_by_reason["not_restored"] == 0
     # bounded: a request is skipped at most MAX_RECHECKS times
     cache.check_hicache_events()  # B moved on: the state is homed to the SSD alone again
@@ -160,3 +161,4 @@ def test_a_checkpoint_homed_to_the_ssd_after_the_requests_first_match_is_restore
     c.init_next_round_input(cache)
     skips = [prefetch_after_device_hit_loss_around(not_lost, scheduler, c) for _ in range(MAX_RECHECKS + 1)]
     assert skips == [True] * MAX_RECHECKS + [False]
+    assert cache.histate.metrics.totals["ssd_restore_rechecks_total"] == 1 + MAX_RECHECKS

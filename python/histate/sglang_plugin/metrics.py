@@ -28,6 +28,8 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_checkpoints_homed_total        historical checkpoints left on SSD alone
   sglang:histate_kv_demoted_tokens_total        host KV written to SSD ahead of its eviction (victim tier)
   sglang:histate_ssd_restores_total{result}     SSD checkpoint restores (ok | miss: a fault on some rank)
+  sglang:histate_ssd_restore_rechecks_total     admission rounds a request skipped for an SSD checkpoint only its
+                                                admission match found (restore_recheck.py)
   sglang:histate_state_writes_total{result}     write_back: checkpoints written to the SSD at creation (stored |
                                                 failed: some rank's store does not hold it; state_writes.py)
   sglang:histate_miss_tokens_total{reason}      uncached prompt tokens by reason (--histate-miss-reasons;
@@ -131,6 +133,8 @@ class HiStateMetrics:
                 "is the host's victim tier for KV).")
         counter("ssd_restores_total", "Checkpoints restored from the SSD tier to a host slot; 'miss' when "
                 "any rank could not read its copy (the request then runs without it).", ("result",))
+        counter("ssd_restore_rechecks_total", "Admission rounds a request skipped so that an SSD checkpoint only its "
+                "admission match found is restored first.")
         counter("state_writes_total", "Under --hicache-write-policy write_back: checkpoints written to the SSD at "
                 "creation through a host staging slot; 'failed' when some rank's store does not hold it (the "
                 "checkpoint keeps its device copy).", ("result",))
@@ -188,6 +192,9 @@ class HiStateMetrics:
 
     def record_restore(self, *, ok: bool) -> None:
         self._inc("ssd_restores_total", 1, result="ok" if ok else "miss")
+
+    def record_restore_recheck(self) -> None:
+        self._inc("ssd_restore_rechecks_total", 1)
 
     def record_state_writes(self, *, stored: int, failed: int) -> None:
         if stored:

@@ -42,6 +42,7 @@ def wait_for_restore(tree_cache: Any, req: Any) -> bool:
     if rechecks >= MAX_RECHECKS:
         return False
     setattr(req, RECHECKS_ATTR, rechecks + 1)
+    tree_cache.histate.metrics.record_restore_recheck()
     return True
 
 
