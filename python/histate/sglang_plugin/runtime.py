@@ -39,13 +39,11 @@ CHAIN_ATTR = "_hs_chain"
 """Underscore attribute on SGLang's `Req`: the `tool_wait.Chain` of its latest match (tool-wait residency)."""
 
 CLAIM_ATTR = "_hs_claim"
-"""Underscore attribute on SGLang's `Req`: (tokens, tier) of the checkpoint its latest match would resume
+"""Underscore attribute on SGLang's `Req`: (tokens, `Tier`) of the checkpoint its latest match would resume
 from (`on_match`); the hit is counted only once the first pass shows what it did resume from (`settle`)."""
 
 SETTLED_ATTR = "_hs_settled"
 """Underscore attribute on SGLang's `Req`: its first pass was built, its hit and misses are final."""
-
-_TIER_ORDER = {name: rank for rank, name in enumerate(SGLANG_TIER_NAMES[t] for t in (Tier.GPU, Tier.CPU, Tier.SSD))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,11 +252,10 @@ class HiStateRuntime:
         checkpoint again once it is on the host: the slowest tier seen at that depth is the hit's tier
         (the restore is what the hit cost)."""
         mask = ckpt_node.ckpt_mask if ckpt_node is not None else 0
-        claim = (ckpt_node.depth_pages, SGLANG_TIER_NAMES[fastest_tier(mask)]) if mask else (0, None)
+        claim = (ckpt_node.depth_pages, fastest_tier(mask)) if mask else (0, None)
         before = getattr(req, CLAIM_ATTR, None)
-        if before is not None and before[0] == claim[0] and claim[1] is not None \
-                and _TIER_ORDER[before[1]] > _TIER_ORDER[claim[1]]:
-            claim = before
+        if before is not None and before[0] == claim[0] and claim[1] is not None and before[1] > claim[1]:
+            claim = before  # tiers are ordered fastest first
         setattr(req, CLAIM_ATTR, claim)
 
     def settle(self, req: Any, now_s: float) -> None:
@@ -271,7 +268,7 @@ class HiStateRuntime:
         neither, as SGLang's cached_tokens does not change either."""
         if getattr(req, SETTLED_ATTR, False):
             return
-        req._hs_settled = True
+        setattr(req, SETTLED_ATTR, True)
         if self.ssd_tier is not None and hasattr(req, "cache_request_handle"):
             self.ssd_tier.forget_request(req.cache_request_handle)
         reused_tokens = int(req.prefix_len)
@@ -280,8 +277,8 @@ class HiStateRuntime:
             if reused_tokens == claimed_tokens:
                 tier = claimed_tier
             else:  # not what the match promised: where SGLang took the state it resumes from
-                tier = SGLANG_TIER_NAMES[Tier.CPU if getattr(req, "host_loaded_length", 0) else Tier.GPU]
-            self.metrics.record_hit(reused_tokens, tier)
+                tier = Tier.CPU if getattr(req, "host_loaded_length", 0) else Tier.GPU
+            self.metrics.record_hit(reused_tokens, SGLANG_TIER_NAMES[tier])
         if self.misses is not None and getattr(req, MISS_ATTR, None) is not None:
             self._settle_misses(req, reused_tokens, now_s)
 
