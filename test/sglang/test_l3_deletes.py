@@ -208,8 +208,16 @@ def test_two_tp_ranks_delete_the_same_bundles(mooncake, monkeypatch, tmp_path, a
 
     assert _in_lockstep(ranks, group, work) == []
     removes = [[entry for entry in rank.log if entry[0] == "remove"] for rank in ranks]
-    assert len(removes[0]) == len(removes[1]) == 7  # bundles 4 to 10 each push one out
-    assert (removes[0] == removes[1]) == agreed
+    counts = [len(log) for log in removes]
+    for rank in ranks:
+        assert rank.cache.histate.ssd_tier.backend.l3.wait_removes(10.0)
+    if not agreed:
+        # The control only shows that the agreement is observable: its ranks decide on their own clocks,
+        # so nothing it does is promised to match, its number of deletes included (a CI run saw 6 on one
+        # rank, under load; never seen on this VM).
+        assert removes[0] != removes[1], counts
+        return
+    assert counts == [7, 7]  # bundles 4 to 10 each push one out
+    assert removes[0] == removes[1]
     for rank in ranks:
         assert rank.cache.histate.ssd_tier.l3_ledger.used_bytes == budget_bytes
-        assert rank.cache.histate.ssd_tier.backend.l3.wait_removes(10.0)
