@@ -2,6 +2,7 @@
 admission limits, subagent ordering, the paper's cohort definitions, and CLI errors."""
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,20 @@ def test_golden_reused_tokens_per_policy():
     assert got == json.loads(GOLDEN.read_text()), \
         "golden numbers moved: if intended, run `make golden` and review the diff"
     assert all(g["reused_tokens"] <= got["unlimited"]["reused_tokens"] for g in got.values())
+    # TIGHT's host KV pool (4 GiB less the staging slots) is under 1.8x its 2 GiB device: `histate` is the
+    # server that picks write_back by itself (core/write_policy.py), request for request the same as the
+    # policy that names write_back
+    assert got["histate"] == got["histate-writeback"]
+
+
+def test_histate_on_a_short_host_is_the_write_back_server_request_by_request():
+    w = default_workload(seed=1)
+    auto, named = replay(w, "histate", TIGHT), replay(w, "histate-writeback", TIGHT)
+    key = lambda r: (r.uid, r.first_token_s, r.reused_tokens, r.kv_hit_tokens, r.miss_tokens)
+    assert [key(r) for r in auto.records] == [key(r) for r in named.records]
+    roomy = replace(TIGHT, cpu_cache_bytes=8 * GiB)  # 4x the device: write_through, as before
+    assert [key(r) for r in replay(w, "histate", roomy).records] != \
+        [key(r) for r in replay(w, "histate-writeback", roomy).records]
 
 
 def test_replay_is_deterministic_for_a_seed():

@@ -14,7 +14,7 @@ from .interval import Ema, IntervalController, choose_interval_pages, continuous
 from .misses import (DEFAULT_MAX_KEYS as MISS_HISTORY_MAX_KEYS, REASONS as MISS_REASONS, Departure, LatestDecision,
                      MissAttribution, MissHistory, MissRecorder, attribute_misses)
 from .observer import CacheObserver, ObserverGroup
-from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy
+from .policies import AdmissionContext, Policy, available_policies, make_policy, register_policy, with_host_write_policy
 from .tier_plan import TierPlan
 from .prefill_order import DEFAULT_MAX_YIELDS, ShortPrefillFirst, prefill_work_tokens
 from .policy_state import PolicyState
@@ -25,6 +25,7 @@ from .types import (ALL_TIERS, CPU_BIT, GPU_BIT, SGLANG_TIER_NAMES, SSD_BIT, Con
                     InvariantViolation, ItemKind, MatchResult, Tier, TierOp, UnitKind, fastest_tier)
 from .units import checkpoint_at_or_above, checkpoint_neighbours, checkpoints_above_removed_leaf, units_of
 from .victims import DeferredReoffers, VictimHeap, reoffer
+from .write_policy import WRITE_BACK, WRITE_BACK_MAX_HOST_TO_DEVICE, WRITE_THROUGH, auto_host_write_policy
 
 __all__ = [
     "L3Deletes", "L3Ledger", "L3LedgerConfig", "fleet_share_bytes",
@@ -39,6 +40,7 @@ __all__ = [
     "DeferredReoffers", "Departure", "LatestDecision", "MISS_HISTORY_MAX_KEYS", "MISS_REASONS", "MissAttribution", "MissHistory",
     "MissRecorder", "ObserverGroup", "ScoringContext", "SessionRefs", "attribute_misses", "Tier", "TierOp", "TierPlan", "UnitKind", "VictimHeap", "available_policies", "captured_positions",
     "checkpoint_at_or_above", "checkpoint_neighbours", "checkpoints_above_removed_leaf", "choose_interval_pages",
-    "continuous_optimum_pages", "default_staging_slots", "fastest_tier", "floor_cut", "make_cache", "make_policy", "prefill_work_tokens",
+    "continuous_optimum_pages", "default_staging_slots", "fastest_tier", "floor_cut", "make_cache", "make_policy", "with_host_write_policy", "prefill_work_tokens",
     "recompute_cost_pages", "register_policy", "reoffer", "split_pass", "units_of",
+    "WRITE_BACK", "WRITE_BACK_MAX_HOST_TO_DEVICE", "WRITE_THROUGH", "auto_host_write_policy",
 ]

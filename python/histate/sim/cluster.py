@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional
 
 from ..core import (HybridPrefixCache, L3Ledger, L3LedgerConfig, L3WriteConfig, MissHistory, MissRecorder, Tier,
-                    attribute_misses, fleet_share_bytes, make_policy, plan_l3_writes)
+                    attribute_misses, fleet_share_bytes, plan_l3_writes)
 from .admission import CacheGate, engine_profile
 from .costs import get_model
 from .engine import Engine, EngineRequest, EventKind
@@ -188,7 +188,7 @@ class _Server:
     def __init__(self, index: int, workload: Workload, policy: str, config: ReplayConfig, cluster: "_ClusterReplay",
                  l3_rule: Optional[str]) -> None:
         self.index = index
-        rules = make_policy(policy)
+        rules = config.rules(policy, has_l3=l3_rule is not None)
         model = get_model(config.model)
         self.cache = HybridPrefixCache(config.cache_config(workload.page_num_tokens, rules), rules)
         misses = MissHistory(max_keys=None)  # why requests missed (core/misses.py), as replay._Replay

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..core import (DEFAULT_INTERVALS_PAGES, DEFAULT_TAU_S, CacheConfig, HybridPrefixCache, MissHistory, MissRecorder,
-                    ObserverGroup, Tier, default_staging_slots, make_policy)
+                    ObserverGroup, Tier, default_staging_slots, make_policy, with_host_write_policy)
 from .admission import CacheGate, engine_profile
 from .costs import (HardwareSpec, RooflineStepCost, attention_pair_tokens, get_hardware, get_model,
                     restore_cost_tokens, vllm_hybrid_blocks)
@@ -102,6 +102,14 @@ class ReplayConfig:
             return 0
         slots = default_staging_slots(self.max_live_sessions)
         return min(self.cpu_cache_bytes, slots * get_model(self.model).checkpoint_size_bytes)
+
+    def rules(self, policy: str, has_l3: bool = False):
+        """The `histate.core.Policy` named `policy` as the server runs it on this machine's tiers: the
+        plugin picks write_back by itself on a short host (`with_host_write_policy`, core/write_policy.py),
+        from the same pools it would build (the host's KV pool: its budget less the state staging slots)."""
+        rules = make_policy(policy)
+        return with_host_write_policy(rules, self.gpu_cache_bytes, self.cpu_cache_bytes - self.staging_bytes(rules),
+                                      has_ssd=self.ssd_cache_bytes > 0, has_l3=has_l3)
 
     def cache_config(self, page_num_tokens: int, policy=None) -> CacheConfig:
         """The cache of `policy` (a `histate.core.Policy`): block-granular policies (vLLM) get the
@@ -205,7 +213,7 @@ class _Replay(SessionDriver):
                  observer=None):
         self.workload, self.config = workload, config
         self.page_num_tokens = workload.page_num_tokens
-        rules = make_policy(policy)
+        rules = config.rules(policy)
         model = get_model(config.model)
         self.cache = HybridPrefixCache(config.cache_config(workload.page_num_tokens, rules), rules)
         self.profile = engine_profile(rules, model, config.engine, workload.page_num_tokens, config.engine_name)

@@ -25,5 +25,7 @@ def available_policies() -> list[str]:
 
 
 from . import histate, vllm, sglang_hicache, marconi, unlimited, sglang_tuned, vllm_current  # noqa: E402,F401  (registration)
+from .histate import with_host_write_policy  # noqa: E402
 
-__all__ = ["AdmissionContext", "Policy", "available_policies", "make_policy", "register_policy"]
+__all__ = ["AdmissionContext", "Policy", "available_policies", "make_policy", "register_policy",
+           "with_host_write_policy"]

@@ -18,7 +18,9 @@ histate-writeback-via-host  write_back without those state writes: states reach 
 histate-exclusive  simulator only: exclusive tiers (KV demoted GPU -> CPU -> SSD on eviction, one copy at a
                    time), the tiering the SGLang plugin does not have (docs/policies.md "Tiering")
 
-`histate` is what the SGLang plugin does (`--enable-histate`), on SGLang's scheduler:
+`histate` is what the SGLang plugin does (`--enable-histate`), on SGLang's scheduler (where the host KV pool
+is at most 1.8x the device's, with an SSD tier and no L3, the plugin runs write_back by itself and `histate`
+has `histate-writeback`'s rules: `with_host_write_policy`, core/write_policy.py; what follows is write_through):
 * capture: the positions are planned when the request is first admitted and every planned position a
   prefill pass computes is kept, inside that pass (core/capture.py; sglang_plugin/capture.py); chunked-
   prefill cuts are floored to the state grid; a finished request donates the last state decode tracked
@@ -37,6 +39,7 @@ from .base import AdmissionContext, Policy, align_mode, branch_point, fixed_grid
 from ..scoring import ScoringContext
 from ..config import SESSION_RANK_OFFSET_S
 from ..types import Tier, UnitKind
+from ..write_policy import WRITE_BACK, auto_host_write_policy
 from ..units import expected_cost_tokens, last_access_s, reclaim_tokens
 
 
@@ -154,6 +157,25 @@ class HiStateWriteBack(HiState):
     name = "histate-writeback"
     kv_write_through_tiers = ()
     host_reclaims_duplicates = True  # `Evictor.reclaim_host_duplicates`: SGLang's write_back host pressure path
+
+
+class HiStateOnShortHost(HiStateWriteBack):
+    """`histate` where the plugin takes write_back by itself: a host KV pool at most 1.8x the device's, an
+    SSD tier, no L3, and no `--hicache-write-policy` given (core/write_policy.py). The same rules as
+    `histate-writeback` under the name `histate`; not registered (`with_host_write_policy` picks it)."""
+
+    name = "histate"
+
+
+def with_host_write_policy(rules: Policy, device_bytes: int, host_kv_bytes: int, *, has_ssd: bool,
+                           has_l3: bool) -> Policy:
+    """`rules` as the server runs it on these tiers. Only `histate` itself changes, to the rules of the
+    write policy the plugin picks (core/write_policy.py); its ablations and every other policy keep the
+    write policy their name says, so they stay comparable across rows."""
+    if type(rules) is HiState and auto_host_write_policy(device_bytes, host_kv_bytes, has_ssd=has_ssd,
+                                                        has_l3=has_l3) == WRITE_BACK:
+        return HiStateOnShortHost()
+    return rules
 
 
 @register_policy
