@@ -104,13 +104,21 @@ def _cpu_hicache() -> Iterator[None]:
 def hicache_server_args(page_size: int, chunk_tokens: int, *, storage_extra: Optional[dict] = None,
                         hicache_ratio: float = 2.0, **fields: Any) -> Any:
     """Publish ServerArgs with SGLang's host tier on (`HICACHE_ARGS`; `fields` override them, e.g.
-    `hicache_write_policy="write_back"`) and, with `storage_extra` (a `dynamic` backend extra config, e.g.
-    HiState's), its storage tier."""
+    `hicache_write_policy="write_back"`; "auto": the flag not given on the command line) and, with
+    `storage_extra` (a `dynamic` backend extra config, e.g. HiState's), its storage tier."""
+    from histate.sglang_plugin.write_policy import AUTO_ATTR
+
     storage = {} if storage_extra is None else dict(
         hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(storage_extra),
         hicache_storage_prefetch_policy="wait_complete")
-    return publish_server_args(page_size=page_size, chunk_tokens=chunk_tokens,
-                               **{**HICACHE_ARGS, "hicache_ratio": hicache_ratio, **storage, **fields})
+    auto = fields.get("hicache_write_policy") == "auto"  # not given: SGLang's default, HiState may choose
+    if auto:
+        fields["hicache_write_policy"] = "write_through"
+    server_args = publish_server_args(page_size=page_size, chunk_tokens=chunk_tokens,
+                                      **{**HICACHE_ARGS, "hicache_ratio": hicache_ratio, **storage, **fields})
+    if auto:
+        setattr(server_args, AUTO_ATTR, True)  # what HiState's from_cli_args hook stashes (write_policy.py)
+    return server_args
 
 
 def attach_hicache(cache: Any, pools: Pools, server_args: Any, histate_config: Any = None,

@@ -26,7 +26,9 @@ NUM_PROMPTS, PROMPT_NUM_TOKENS = 16, 900
 
 @pytest.fixture(scope="module")
 def small_args(ssd_root) -> tuple:
-    return HISTATE_ARGS + ("--max-total-tokens", "2048", "--hicache-ratio", "1", "--histate-ssd-dir", str(ssd_root / "small"))
+    # write_through named: with a host this small HiState would pick write_back (test_write_back.py covers it)
+    return HISTATE_ARGS + ("--max-total-tokens", "2048", "--hicache-ratio", "1", "--hicache-write-policy", "write_through",
+                           "--histate-ssd-dir", str(ssd_root / "small"))
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,7 @@ def _ssd_hits(reference, server, prompts: list) -> list:
 def test_flush_restart_and_sigkill_leave_hits_and_exact_answers(servers, fleet, small_args, prompts):
     reference = servers.reference
     (small,) = fleet.get(("small", small_args))
+    assert metric_sum(small.url, "histate_host_write_policy", policy="write_through", chosen_by="operator") == 1
     for i, prompt in enumerate(prompts):
         assert_exact(reference, small, f"prompt {i}", prompt)
     assert metric_sum(small.url, "histate_kv_demoted_tokens_total") > 0, "no host KV reached the SSD"

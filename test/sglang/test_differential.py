@@ -44,7 +44,7 @@ import pytest
 import torch
 
 from histate.core import (CPU_BIT, GPU_BIT, SSD_BIT, CacheConfig, HybridPrefixCache, MissHistory, MissRecorder, Tier,
-                          floor_cut, make_policy)
+                          floor_cut, make_policy, with_host_write_policy)
 from histate.sim.admission import CacheGate, engine_profile
 from histate.sim.costs import get_model
 from histate.sim.engine import EngineConfig, EngineRequest
@@ -121,7 +121,9 @@ def _sim(rig: GdnRig, policy: str = "histate"):
                     restore_cost_tokens=config.restore_cost_tokens,
                     capacity_bytes={Tier.GPU: config.capacity_bytes[Tier.GPU], Tier.CPU: cpu_bytes,
                                     Tier.SSD: config.capacity_bytes[Tier.SSD]}),
-        make_policy(policy))
+        # as `ReplayConfig.rules`: `histate` on a short host is the server that picks write_back
+        with_host_write_policy(make_policy(policy), config.capacity_bytes[Tier.GPU], cpu_bytes, has_ssd=True,
+                               has_l3=False))
     # SGLang matches at most a prompt's first L-1 tokens (the last one is always prefilled for its logits)
     engine = EngineConfig(caches_outputs=False, matches_last_prompt_token=False)
     profile = engine_profile(cache.policy, get_model("tiny-qwen3.5"), engine, GRID)
@@ -206,12 +208,13 @@ def _sim_path(cache: HybridPrefixCache, keys: tuple) -> list:
     return out
 
 
-# (hinted, SGLang's --hicache-write-policy, the simulator policy that models the plugin under it)
+# (hinted, SGLang's --hicache-write-policy, the simulator policy that models the plugin under it); "auto":
+# the flag not given, on a host KV pool 1.5x the device's, where both pick write_back by themselves
 CASES = [(False, "write_through", "histate"), (True, "write_through", "histate"),
-         (False, "write_back", "histate-writeback")]
+         (False, "write_back", "histate-writeback"), (False, "auto", "histate")]
 
 
-@pytest.mark.parametrize("hinted, write_policy, sim_policy", CASES, ids=["plain", "hinted", "write_back"])
+@pytest.mark.parametrize("hinted, write_policy, sim_policy", CASES, ids=["plain", "hinted", "write_back", "auto"])
 def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plugins, monkeypatch, tmp_path, hinted,
                                                                      write_policy, sim_policy):
     from histate.sglang_plugin.checkpoint_hints import HINTS_KEY
@@ -223,10 +226,12 @@ def test_the_plugin_and_the_simulators_histate_agree_on_every_request(sglang_plu
                              "miss_reasons": True}, {})
     clock = [0.0]
     # KV of 1 KiB per token: a checkpoint is ~112 tokens of KV (N_s), so eq. 5 plans interior positions.
-    rig = GdnRig("fp32", config, mamba_slots=400, kv_tokens=1 << 15, hicache_ratio=4.0, clock=lambda: clock[0],
-                 kv_heads=4, kv_head_dim=32, write_policy=write_policy)
+    rig = GdnRig("fp32", config, mamba_slots=400, kv_tokens=1 << 15, hicache_ratio=1.5 if write_policy == "auto" else 4.0,
+                 clock=lambda: clock[0], kv_heads=4, kv_head_dim=32, write_policy=write_policy)
     sim, gate = _sim(rig, sim_policy)
-    write_back = write_policy == "write_back"
+    write_back = write_policy != "write_through"
+    assert rig.cache.is_write_back == write_back  # "auto": the plugin switched by itself ...
+    assert sim.policy.kv_write_through_tiers == (() if write_back else (Tier.CPU,))  # ... and so did the simulator
     tokens_of = _Tokens()
     compared = checkpoints = homed = resumed = 0
     reasons_seen: set = set()

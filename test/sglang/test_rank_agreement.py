@@ -82,11 +82,11 @@ class Rank:
     """One TP rank: its cache, its driver, and the log of every decision it takes."""
 
     def __init__(self, rank: int, group: TwoRankGroup, clock_kwargs: dict, ssd_config=None, state_shape=None,
-                 write_policy: str = "write_through"):
+                 write_policy: str = "write_through", hicache_ratio: float = 1.2):
         self.pools = build_pools(kv_tokens=160 * PAGE, mamba_slots=6, max_context=1 << 14, state_shape=state_shape)
         storage = None if ssd_config is None else storage_extra_config(None, ssd_config)
         self.cache = build_hicache("histate", self.pools, histate_config=ssd_config, storage_extra=storage,
-                                   hicache_ratio=1.2, write_policy=write_policy, **clock_kwargs)
+                                   hicache_ratio=hicache_ratio, write_policy=write_policy, **clock_kwargs)
         self.cache._all_reduce_attn_groups = lambda tensor, op: group.all_reduce(rank, tensor, op)
         self.driver = TieredDriver(self.cache, self.pools)
         self.log: list = []

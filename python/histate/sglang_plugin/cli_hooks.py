@@ -31,6 +31,7 @@ from typing import Any, NoReturn, Optional
 from .config import (CONFIG_ATTR, OPTIONS, HiStateConfig, HiStateConfigError, cli_dest, cli_values_from_namespace,
                      resolve_config)
 from .server_settings import apply_to_record, ignored_settings
+from .write_policy import record_when_given, stash_choice
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def add_histate_options(group: Any) -> None:
 
 def add_cli_args_after(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
     add_histate_arguments(parser)
+    record_when_given(parser)  # whether --hicache-write-policy was given (write_policy.py)
     return None
 
 
@@ -132,6 +134,7 @@ def from_cli_args_around(original: Any, cls: Any, args: Any) -> Any:
         record = original(cls, args)
         setattr(record, CONFIG_ATTR, config)
         setattr(record, FROM_CLI_ATTR, True)
+        stash_choice(record, args)
         _apply(record, config)
     except HiStateConfigError as error:
         exit_with_usage_error(str(error))

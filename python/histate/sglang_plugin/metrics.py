@@ -12,6 +12,9 @@ same /metrics page next to `sglang:evicted_tokens_total` and friends:
   sglang:histate_reused_tokens_total            tokens reused (DESIGN.md hit accounting: c)
   sglang:histate_input_tokens_total             tokens looked up (hit rate = reused / input)
   sglang:histate_checkpoints{tier}              checkpoints resident per tier (gauge)
+  sglang:histate_host_write_policy{policy,chosen_by} 1 on HiCache's host write policy (gauge): chosen_by
+                                                operator (--hicache-write-policy) | histate (not given:
+                                                write_policy.py)
   sglang:histate_evictions_total{unit,tier}     eviction decisions by unit (checkpoint | bundle) and tier
   sglang:histate_ssd_read_bytes_total           bytes read from the SSD tier
   sglang:histate_ssd_written_bytes_total        bytes written to the SSD tier
@@ -50,7 +53,7 @@ from histate.core import SGLANG_TIER_NAMES
 
 TIERS = tuple(SGLANG_TIER_NAMES.values())
 UNITS = ("checkpoint", "bundle")
-GAUGES = frozenset({"checkpoints"})
+GAUGES = frozenset({"checkpoints", "host_write_policy"})
 """Series that are gauges (set, not incremented); the rest are counters."""
 
 _shared: dict[tuple, "HiStateMetrics"] = {}
@@ -146,6 +149,11 @@ class HiStateMetrics:
                 "'back_late' (a held turn's continuation matched before / after its deadline).", ("event",))
         self._extra_names["checkpoints"] = ("tier",)
         self._prom["checkpoints"] = make_gauge("checkpoints", "Checkpoints resident per tier.", ("tier",))
+        self._extra_names["host_write_policy"] = ("policy", "chosen_by")
+        self._prom["host_write_policy"] = make_gauge(
+            "host_write_policy", "1 on HiCache's host write policy: chosen_by 'operator' (--hicache-write-policy, "
+            "or a record built without a command line) or 'histate' (the flag not given: write_back with an SSD "
+            "tier, no L3 and a host KV pool at most 1.8x the device's).", ("policy", "chosen_by"))
 
     def _inc(self, key: str, amount: float, **extra: str) -> None:
         tally_key = key if not extra else (key, *extra.values())
@@ -217,6 +225,12 @@ class HiStateMetrics:
 
     def record_homed(self, count: int) -> None:
         self._inc("checkpoints_homed_total", count)
+
+    def set_host_write_policy(self, policy: str, chosen_by: str) -> None:
+        self.totals[("host_write_policy", policy, chosen_by)] = 1
+        gauge = self._prom.get("host_write_policy")
+        if gauge is not None:
+            gauge.labels(**self.labels, policy=policy, chosen_by=chosen_by).set(1)
 
     def set_checkpoints(self, tier: str, count: int) -> None:
         self.totals[("checkpoints", tier)] = count

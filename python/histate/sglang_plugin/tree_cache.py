@@ -35,6 +35,7 @@ from .short_prefill import cache_chunk_limit
 from .storage_policy import RESTORE_HOLD_BY_SGLANG, STORAGE_POLICY_BY_SGLANG, HiStateStoragePolicy
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import LEAF_STATE_BACKUP_BY_SGLANG, WALK_EVENTS_BY_SGLANG, HiStateTreeObserver, register_tree_core
+from .write_policy import choose_write_policy
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,9 @@ class HiStateRadixCache(UnifiedRadixCache):
 
     def init_hicache(self, server_args: Any, params: Any) -> None:
         super().init_hicache(server_args, params)
+        chosen = choose_write_policy(self, server_args)  # write_back on a short host when the operator chose none
+        self.histate.metrics.set_host_write_policy(self.cache_controller.write_policy,
+                                                   "operator" if chosen is None else "histate")
         self.histate.use_write_back(self.cache_controller.write_policy == "write_back",
                                     None if LEAF_STATE_BACKUP_BY_SGLANG else self._hs_back_up_state)
         self.histate.victims.enable_tier(Tier.CPU)
