@@ -162,3 +162,27 @@ def test_a_checkpoint_homed_to_the_ssd_after_the_requests_first_match_is_restore
     skips = [prefetch_after_device_hit_loss_around(not_lost, scheduler, c) for _ in range(MAX_RECHECKS + 1)]
     assert skips == [True] * MAX_RECHECKS + [False]
     assert cache.histate.metrics.totals["ssd_restore_rechecks_total"] == 1 + MAX_RECHECKS
+
+
+def test_a_first_pass_deeper_than_its_match_is_attributed_again():
+    """`settle`'s other branch: SGLang resumes deeper than HiState's latest match promised (not expected,
+    but SGLang's prefix is the truth `cached_tokens` reports): the reasons are attributed again at that
+    depth, so they still add up to the prompt less the prefix run from. Counted by hand: a 300-token prompt
+    matched with no checkpoint (no reuse promised), whose first pass runs from 128 tokens."""
+    from types import SimpleNamespace
+
+    from histate.sglang_plugin.miss_tracker import MISS_ATTR
+    from histate.sglang_plugin.runtime import HiStateRuntime
+
+    runtime = HiStateRuntime(resolve_config({"enable": True, "miss_reasons": True}, {}), grid_tokens=64,
+                             kv_bytes_per_token=1024, checkpoint_bytes=1 << 20, device_bytes=1 << 30,
+                             clock=lambda: 1.0)
+    prompt = list(range(300))
+    req = SimpleNamespace(origin_input_ids=prompt, prefix_len=0)
+    runtime._attribute_misses(req, key(prompt[:299]), kv_match_tokens=256, ckpt_node=None, now_s=1.0)
+    assert sum(getattr(req, MISS_ATTR).tokens_by_reason.values()) == 300  # nothing promised
+    req.prefix_len = 128
+    runtime.settle(req, now_s=2.0)
+    settled = getattr(req, MISS_ATTR).tokens_by_reason
+    assert sum(settled.values()) == 300 - 128, settled
+    assert settled["not_restored"] == 0  # the match did not promise more than the pass used
