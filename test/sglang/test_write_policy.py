@@ -26,26 +26,10 @@ def test_the_command_line_tells_a_given_policy_from_sglangs_default(sglang_plugi
 
     assert getattr(_parse(["--enable-histate"]), AUTO_ATTR) is True
     for argv in (["--hicache-write-policy", "write_through"], ["--hicache-write-policy=write_back"]):
-        record = _parse(["--enable-histate", "--histate-device-pool", "static", *argv])
+        record = _parse(["--enable-histate", *argv])
         assert getattr(record, AUTO_ATTR) is False, argv
         assert record.hicache_write_policy == argv[-1].split("=")[-1]  # the value is SGLang's, unchanged
     assert _parse([]).hicache_write_policy == "write_through"
-
-
-def test_the_unified_device_pool_keeps_write_through(tmp_path):
-    """HiState's default device pool: write_back is refused there (it crashed SGLang's scheduler in a server
-    test), so a short host keeps write_through. The choice asked again on a built short-host cache (the
-    flag given at build), with server args that say unified and then static."""
-    from types import SimpleNamespace
-
-    from histate.sglang_plugin.write_policy import AUTO_ATTR, choose_write_policy
-
-    cache, _ = _cache(tmp_path, hicache_ratio=1.2, write_policy="write_through")
-    assert not _runs_write_back(cache)
-    unified = SimpleNamespace(**{AUTO_ATTR: True, "enable_unified_memory": True})
-    assert choose_write_policy(cache, unified) == "write_through" and not cache.is_write_back
-    static = SimpleNamespace(**{AUTO_ATTR: True, "enable_unified_memory": False})
-    assert choose_write_policy(cache, static) == "write_back" and cache.is_write_back
 
 
 def test_a_record_without_the_stash_is_the_operators_choice():

@@ -13,8 +13,8 @@ WRITE_BACK_MAX_HOST_TO_DEVICE times the device pool, and only where its other co
   * no L3: the fleet's L3 gets a terminal bundle when its backup is queued, which write_back defers until
     the device evicts it (the plugin refuses `--histate-l3` with write_back).
 
-Pure: sizes in, a policy name out. The server decides from its pools' agreed sizes, on its static device
-pool only (sglang_plugin/write_policy.py: SGLang's unified pool refuses write_back), the simulator from its capacities (`ReplayConfig.rules`), with this one
+Pure: sizes in, a policy name out. The server decides from its pools' agreed sizes
+(sglang_plugin/write_policy.py), the simulator from its capacities (`ReplayConfig.rules`), with this one
 function.
 """
 from __future__ import annotations

@@ -308,11 +308,6 @@ def apply_to_record(record: Any, config: HiStateConfig) -> dict[str, Any]:
             "gets a session's terminal bundle when its backup is queued, which write_back defers until the device "
             "evicts it, so another server could not resume the session meanwhile, and no HiState test covers it; "
             "use write_through with --histate-l3")
-    if config.device_pool == "unified" and _flag(record, "hicache_write_policy", "write_through") == "write_back":
-        raise HiStateConfigError(
-            "--hicache-write-policy write_back cannot be combined with --histate-device-pool unified (the default): "
-            "SGLang's scheduler ran out of mamba slots under that pair in HiState's server test (docs/results.md, "
-            "'HiState picks the write policy'); use --histate-device-pool static with write_back")
     changes = implied_settings(record, config)
     for name, value in changes.items():
         setattr(record, name, value)

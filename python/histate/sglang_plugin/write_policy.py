@@ -13,10 +13,6 @@ without the stash counts as chosen by the operator: one built by `Engine(**kwarg
 dataclass default is indistinguishable from an explicit `write_through`), or through SGLang's
 plugin-declared arguments (upstream/series 0003, where HiState declares only its own group).
 
-Only on the static device pool (`--histate-device-pool static`): on SGLang's unified pool (HiState's
-default) write_back is refused, with or without the flag (server_settings.py), because SGLang's scheduler
-ran out of mamba slots under it in a server test (docs/results.md "HiState picks the write policy").
-
 The switch (`choose_write_policy`): in `init_hicache`, after SGLang built the host pools and attached the
 storage backend and before any request, from sizes every rank agrees on (the device pool's from
 `_agree_sizes`, the host KV pool's MIN over the ranks here), through the three assignments SGLang's own
@@ -88,13 +84,9 @@ def choose_write_policy(cache: Any, server_args: Any) -> Optional[str]:
     device_bytes = core.capacity_bytes[Tier.GPU]
     policy = auto_host_write_policy(device_bytes, host_kv_bytes, has_ssd=bool(has_ssd),
                                     has_l3=cache.histate.config.l3 != "off")
-    unified = bool(getattr(server_args, "enable_unified_memory", False))
-    if unified:
-        policy = WRITE_THROUGH  # write_back on SGLang's unified pool is refused (server_settings.py): it crashed
     logger.info("HiState: --hicache-write-policy not given: %s (host KV pool %.2f GB, %.2fx the device pool's "
-                "%.2f GB; SSD tier: %s; L3: %s; device pool: %s)", policy, host_kv_bytes / 1e9,
-                host_kv_bytes / device_bytes, device_bytes / 1e9, "yes" if has_ssd else "no",
-                cache.histate.config.l3, "unified" if unified else "static")
+                "%.2f GB; SSD tier: %s; L3: %s)", policy, host_kv_bytes / 1e9, host_kv_bytes / device_bytes,
+                device_bytes / 1e9, "yes" if has_ssd else "no", cache.histate.config.l3)
     if policy == WRITE_BACK:
         controller.write_policy = WRITE_BACK
         cache.write_through_threshold = 2

@@ -161,8 +161,7 @@ class HiStateWriteBack(HiState):
 
 class HiStateOnShortHost(HiStateWriteBack):
     """`histate` where the plugin takes write_back by itself: a host KV pool at most 1.8x the device's, an
-    SSD tier, no L3, the static device pool, and no `--hicache-write-policy` given (core/write_policy.py;
-    the unified pool refuses write_back, sglang_plugin/write_policy.py). The same rules as
+    SSD tier, no L3, and no `--hicache-write-policy` given (core/write_policy.py). The same rules as
     `histate-writeback` under the name `histate`; not registered (`with_host_write_policy` picks it)."""
 
     name = "histate"
