@@ -786,3 +786,21 @@ def test_host_bundles_the_state_slots_evict_are_on_the_ssd_first(sglang_plugins,
     assert reused == 16 * PAGE
     _check_ssd_ledger(cache)
     cache.sanity_check()
+
+
+def test_the_host_budget_counts_the_unified_pools_kv():
+    """SGLang's unified pool records the attention KV's bytes on the hybrid pool's `full_kv_pool`
+    (`host_capacity_bytes`, unified_memory_pool.py:1773-1777) and reports 0 from the hybrid pool's
+    `get_kv_size_bytes()` on purpose; SGLang's own host sizing reads the former. A stand-in of that pool
+    shape: the device bytes HiState's host budget is taken from are the full pool's. Read from the hybrid
+    pool alone (before), a unified server with 1,024 KV tokens and 8 states got 768 host KV tokens where stock
+    SGLang's split gave 1,600; now 2,304 (KV first; docs/results.md)."""
+    from types import SimpleNamespace
+
+    from histate.sglang_plugin.host_stack import _device_bytes
+
+    hybrid = SimpleNamespace(full_kv_pool=SimpleNamespace(host_capacity_bytes=1_234_567), host_capacity_bytes=None,
+                             get_kv_size_bytes=lambda: 0)
+    assert _device_bytes(hybrid) == 1_234_567
+    static = SimpleNamespace(get_kv_size_bytes=lambda: (100, 200))  # a static pool: K and V bytes
+    assert _device_bytes(static) == 300

@@ -110,7 +110,14 @@ def mamba_slot_bytes(mamba_pool: Any) -> int:
 
 
 def _device_bytes(pool: Any) -> int:
+    """Device bytes a host pool mirrors, as SGLang's own host sizing reads them (`_split_hicache_size`,
+    hybrid_pool_assembler.py:240-250). On a hybrid KV pool the attention KV is its `full_kv_pool`, which is
+    where SGLang's unified pool records `host_capacity_bytes` (unified_memory_pool.py:1773-1777) while its
+    `get_kv_size_bytes()` reports 0 on purpose: read from the hybrid pool itself, the host budget left the
+    KV out on the unified pool (found when a short host there held half the KV stock SGLang's did)."""
     size = getattr(pool, "host_capacity_bytes", None)
+    if size is None and getattr(pool, "full_kv_pool", None) is not None:
+        size = getattr(pool.full_kv_pool, "host_capacity_bytes", None)
     if size is None:
         size = pool.get_kv_size_bytes()
     return int(sum(size) if isinstance(size, tuple) else size)
