@@ -190,6 +190,14 @@ class IoWindow:
         return metrics
 
 
+def histate_backend(controller: Any) -> Optional["HiStateStorageBackend"]:
+    """HiState's backend in HiCache's controller (under the wrapper SGLang's dynamic factory may put
+    around it, `_backend`), or None: no storage tier, or another backend."""
+    backend = getattr(controller, "storage_backend", None)
+    backend = getattr(backend, "_backend", backend)
+    return backend if isinstance(backend, HiStateStorageBackend) else None
+
+
 def _num_true(flags: Any) -> int:
     """Pages an operation moved: its per-key flags (per pool for the v2 path)."""
     if isinstance(flags, dict):

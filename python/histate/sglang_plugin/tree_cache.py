@@ -32,6 +32,7 @@ from .clock import AgreedClock
 from .metrics import HiStateMetrics, radix_cache_labels, shared_metrics, upstream_cache_series
 from .runtime import HiStateRuntime
 from .short_prefill import cache_chunk_limit
+from .storage_backend import histate_backend
 from .storage_policy import RESTORE_HOLD_BY_SGLANG, STORAGE_POLICY_BY_SGLANG, HiStateStoragePolicy
 from .tree_core import BACKEND_NAME as TREE_CORE_BACKEND
 from .tree_core import LEAF_STATE_BACKUP_BY_SGLANG, WALK_EVENTS_BY_SGLANG, HiStateTreeObserver, register_tree_core
@@ -153,8 +154,7 @@ class HiStateRadixCache(UnifiedRadixCache):
                                     None if LEAF_STATE_BACKUP_BY_SGLANG else self._hs_back_up_state)
         self.histate.victims.enable_tier(Tier.CPU)
         self.histate.add_tier(Tier.CPU)
-        backend = getattr(self.cache_controller, "storage_backend", None)
-        self.attach_ssd(getattr(backend, "_backend", backend))
+        self.attach_ssd(histate_backend(self.cache_controller))
 
     def _hs_back_up_state(self, sg: Any) -> None:
         """Copy `sg`'s device state to the host now (write_back): SGLang 0.5.23 demotes a backed-up device
@@ -191,8 +191,7 @@ class HiStateRadixCache(UnifiedRadixCache):
         self._detach_ssd()
         ok, message = super().attach_storage_backend(*args, **kwargs)
         if ok:
-            backend = getattr(self.cache_controller, "storage_backend", None)
-            self.attach_ssd(getattr(backend, "_backend", backend))
+            self.attach_ssd(histate_backend(self.cache_controller))
         return ok, message
 
     def _detach_ssd(self) -> None:

@@ -65,15 +65,14 @@ def choose_write_policy(cache: Any, server_args: Any) -> Optional[str]:
     import torch
     from sglang.srt.mem_cache.unified_radix_cache import PoolName
 
-    from .storage_backend import HiStateStorageBackend
+    from .storage_backend import histate_backend
 
     controller = getattr(cache, "cache_controller", None)
     if not getattr(server_args, AUTO_ATTR, False) or controller is None \
             or controller.write_policy != WRITE_THROUGH or cache.host_memory_mode != "cache":
         return None
     host_kv = cache.host_pool_group.get_pool(PoolName.KV)
-    backend = getattr(controller, "storage_backend", None)
-    has_ssd = isinstance(getattr(backend, "_backend", backend), HiStateStorageBackend)
+    has_ssd = histate_backend(controller) is not None
     # MIN over the ranks: each rank's headroom may size its host apart, and an SSD tier counts only if
     # every rank attached one
     agreed = torch.tensor([int(host_kv.size), int(has_ssd)], dtype=torch.int64)
