@@ -192,3 +192,19 @@ class AgentSession:
 
     def record(self, prompt: list, answer: Answer) -> None:
         self.contexts.append(list(prompt) + list(answer.output_ids))
+
+
+def serve_turn(reference: object, server: object, session: AgentSession, turn: int, seen: list,
+               label: str = "") -> tuple:
+    """Turn `turn` of `session` on both servers: `server`'s answer equals the cold reference's
+    (`assert_exact`), and it reused no more than the longest prefix the prompt shares with a context sent
+    before (`seen`, every earlier prompt and prompt + answer; extended here) nor its last token.
+    Returns (where, answer, that shared-prefix bound)."""
+    prompt = session.next_prompt(turn)
+    where = f"{label}turn {turn} ({AgentSession.KINDS[turn]}, {len(prompt)} tokens)"
+    served = assert_exact(reference, server, where, prompt)
+    bound = max((common_prefix_len(prompt, context) for context in seen), default=0)
+    assert served.cached_tokens <= min(bound, len(prompt) - 1), f"{where}: {served.cached_tokens} cached"
+    session.record(prompt, served)
+    seen.extend([prompt, session.contexts[-1]])
+    return where, served, bound

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from .client import (PAGE_NUM_TOKENS, AgentSession, assert_branch_point_capture_serves, assert_exact,
-                     assert_interval_capture_serves, common_prefix_len, generate, metric_sum, tokens)
+                     assert_interval_capture_serves, generate, metric_sum, serve_turn, tokens)
 from .conftest import REFERENCE_ARGS
 
 # What the stand-in logs in the scheduler (unified_attention.STAND_IN_NOTICE, TRANSLATED_READ_NOTICE;
@@ -68,17 +68,11 @@ def test_a_multi_turn_session_on_the_unified_pool_answers_as_stock_cold(pair):
     session = AgentSession(0, tokens(random.Random(7), 2 * PAGE_NUM_TOKENS + 17))
     seen: list = []
     report = []
-    for turn, kind in enumerate(AgentSession.KINDS):
-        prompt = session.next_prompt(turn)
-        where = f"turn {turn} ({kind}, {len(prompt)} tokens)"
-        served = assert_exact(reference, unified, where, prompt)
-        bound = max((common_prefix_len(prompt, context) for context in seen), default=0)
-        assert served.cached_tokens <= min(bound, len(prompt) - 1), f"{where}: {served.cached_tokens} cached"
+    for turn in range(len(AgentSession.KINDS)):
+        where, served, bound = serve_turn(reference, unified, session, turn, seen)
         if turn > 0:
             assert served.cached_tokens > 0, f"{where}: nothing served from the cache"
         report.append(f"{where}: cached {served.cached_tokens} of a {bound}-token shared prefix")
-        session.record(prompt, served)
-        seen.extend([prompt, session.contexts[-1]])
     print("\n".join(report))
 
 

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from .client import PAGE_NUM_TOKENS, AgentSession, assert_exact, common_prefix_len, metric_sum, tokens
+from .client import PAGE_NUM_TOKENS, AgentSession, assert_exact, metric_sum, serve_turn, tokens
 from .conftest import REFERENCE_ARGS
 from .test_unified_pool import UNIFIED_ARGS
 
@@ -47,14 +47,8 @@ def test_the_unified_pool_under_chosen_write_back_answers_as_stock_cold(pair, fl
     assert host_kv_tokens >= 1.5 * 1024, host_kv_tokens
     session = AgentSession(1, tokens(random.Random(8), 2 * PAGE_NUM_TOKENS + 17))
     seen: list = []
-    for turn, kind in enumerate(AgentSession.KINDS):
-        prompt = session.next_prompt(turn)
-        where = f"turn {turn} ({kind}, {len(prompt)} tokens)"
-        served = assert_exact(reference, server, where, prompt)
-        bound = max((common_prefix_len(prompt, context) for context in seen), default=0)
-        assert served.cached_tokens <= min(bound, len(prompt) - 1), f"{where}: {served.cached_tokens} cached"
-        session.record(prompt, served)
-        seen.extend([prompt, session.contexts[-1]])
+    for turn in range(len(AgentSession.KINDS)):
+        serve_turn(reference, server, session, turn, seen)
     rng = random.Random(2)
     prompts = [tokens(rng, 640) for _ in range(4)]  # each pushes the one before off the 1,024-token device
     for i, prompt in enumerate(prompts):
